@@ -1,0 +1,37 @@
+"""tqcompile: quantization for PyTorch, built for `torch.compile(fullgraph=True)` first."""
+
+import torch as _torch
+
+from tqcompile.api import SUPPORTED_DTYPES, quantize
+from tqcompile.formats import Format
+from tqcompile.quantizers import (
+    Float8Quantizer,
+    Granularity,
+    IntQuantizer,
+    MXQuantizer,
+    NVFP4Quantizer,
+    Quantizer,
+    ScaleRounding,
+)
+from tqcompile.tensor import QuantizedTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Format",
+    "Granularity",
+    "ScaleRounding",
+    "Quantizer",
+    "Float8Quantizer",
+    "MXQuantizer",
+    "NVFP4Quantizer",
+    "IntQuantizer",
+    "QuantizedTensor",
+    "quantize",
+    "SUPPORTED_DTYPES",
+]
+
+# Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.
+_torch.serialization.add_safe_globals(
+    [QuantizedTensor, Format, Granularity, ScaleRounding, Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer]
+)

@@ -1,0 +1,99 @@
+"""`tq.quantize`: the public entry point that turns a tensor into a QuantizedTensor."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tqcompile import ops
+from tqcompile.distributed.groups import all_reduce_amax, group_name_of
+from tqcompile.quantizers import NVFP4Quantizer, Quantizer
+from tqcompile.tensor import QuantizedTensor
+
+__all__ = ["quantize", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _transformed(q: Quantizer) -> bool:
+    # A transform along the last dim makes the columnwise amax differ from the rowwise one.
+    return isinstance(q, NVFP4Quantizer) and q.hadamard
+
+
+def quantize(
+    x: torch.Tensor,
+    quantizer: Quantizer,
+    *,
+    amax_group: dist.ProcessGroup | str | None = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    seed: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """Quantize `x` with `quantizer`.
+
+    Args:
+        x: a float32, bfloat16 or float16 tensor (any strides; payloads come out contiguous).
+        quantizer: how to quantize (`Float8Quantizer`, `MXQuantizer`, `NVFP4Quantizer`, `IntQuantizer`).
+        amax_group: a ProcessGroup (or its name) whose ranks share the tensor-level amax: it is
+            all-reduced (MAX) before scales are computed, and recorded on the result. Quantizers
+            whose scales are all local (rowwise, blocks, MX) have no tensor-level amax: the group
+            is recorded only.
+        rowwise / columnwise: which usages to produce; columnwise quantizes ``x.reshape(-1, K).t()``.
+        seed: int64 tensor ``[seed, offset]`` for stochastic rounding; drawn from torch's global
+            generator when omitted.
+
+    Example:
+        >>> qx = tq.quantize(torch.randn(32, 64), tq.Float8Quantizer())
+        >>> qx.dequantize().shape
+        torch.Size([32, 64])
+    """
+    if isinstance(x, QuantizedTensor):
+        raise TypeError(f"tq.quantize: x is already quantized ({x!r}); dequantize it first")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"tq.quantize: x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError(f"tq.quantize: quantizer must be a tq.Quantizer (Float8Quantizer, ...), got {type(quantizer).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"tq.quantize: x.dtype={x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16 "
+            f"(cast first, e.g. x.float())"
+        )
+    if not (rowwise or columnwise):
+        raise ValueError("tq.quantize: ask for at least one usage (rowwise=True and/or columnwise=True)")
+    quantizer.check_shape(x.shape)
+    x_t = None
+    if columnwise:
+        if x.dim() < 1:
+            raise ValueError("tq.quantize: columnwise usage needs a tensor with at least 1 dim")
+        x_t = x.reshape(-1, x.shape[-1]).t()
+        try:
+            quantizer.check_shape(x_t.shape)
+        except ValueError as e:
+            raise ValueError(f"tq.quantize: columnwise usage quantizes the transpose, of shape {tuple(x_t.shape)}: {e}") from None
+    if seed is None and quantizer.needs_seed():
+        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
+    elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
+        raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
+
+    group_name = group_name_of(amax_group)
+    amax = amax_t = None
+    if quantizer.uses_tensor_amax():
+        amax = ops.amax(x, quantizer)
+        if columnwise:
+            amax_t = ops.amax(x_t, quantizer) if _transformed(quantizer) else amax
+        if group_name is not None:
+            if amax_t is not None and amax_t is not amax:
+                amax, amax_t = all_reduce_amax(torch.stack((amax, amax_t)), group_name).unbind()
+            else:
+                amax = all_reduce_amax(amax, group_name)
+                amax_t = amax if columnwise else None
+
+    inner = {}
+    if rowwise:
+        inner["_data"], inner["_scale_inv"] = ops.quantize(x, quantizer, amax, seed)
+        inner["_amax"] = amax
+    if columnwise:
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize(x_t, quantizer, amax_t, seed)
+        inner["_amax_t"] = amax_t
+    inner = {k: v for k, v in inner.items() if v is not None}
+    return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)

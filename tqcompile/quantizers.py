@@ -1,0 +1,314 @@
+"""Quantizers: immutable value objects that say *how* to quantize.
+
+A quantizer is a frozen, slotted dataclass whose fields are Python scalars and Enums only. It is
+registered as a torch.compile *value* opaque type, so it can be an argument of a custom op;
+Dynamo guards on `__eq__`, so an equal quantizer never recompiles and a different one does.
+Changing a setting means making a new quantizer (`dataclasses.replace`), never mutation.
+
+Every quantizer maps onto one *block layout*: which elements share one scale.
+
+=================  ====================================================  =====================
+granularity        elements that share a scale                           scale shape for (…, M, K)
+=================  ====================================================  =====================
+TENSORWISE         all                                                   ()
+ROWWISE            all along `axis` (one scale per row for axis=-1)      shape with axis set to 1
+BLOCKWISE_1D       `block` consecutive elements of the last dim          (…, M, K/block)
+BLOCKWISE_2D       `block` x `block` tiles of the last two dims          (…, M/block, K/block)
+=================  ====================================================  =====================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import ClassVar
+
+import torch
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+from tqcompile.formats import Format
+
+__all__ = [
+    "Granularity",
+    "ScaleRounding",
+    "Quantizer",
+    "Float8Quantizer",
+    "MXQuantizer",
+    "NVFP4Quantizer",
+    "IntQuantizer",
+]
+
+# Largest fp32 value; `max_value / amax_epsilon` must stay below it so scales are finite.
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+class Granularity(enum.Enum):
+    """Which elements share one scale (see the table in this module's docstring)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCKWISE_1D = "blockwise_1d"
+    BLOCKWISE_2D = "blockwise_2d"
+
+
+class ScaleRounding(enum.Enum):
+    """How an MX block's power-of-two scale is chosen from the block amax.
+
+    FLOOR: OCP MX v1.0, ``e = floor(log2(amax)) - emax_elem``; the largest element may saturate.
+    RCEIL: ``e = ceil(log2(amax / elem_max))``; never saturates (the rule of NVIDIA's MXFP8 GEMMs).
+    """
+
+    FLOOR = "floor"
+    RCEIL = "rceil"
+
+
+def _bad(cls_name: str, field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"{cls_name}: {field}={value!r} is not allowed; allowed: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+class Quantizer(OpaqueBase):
+    """Base of all quantizers. Subclasses are frozen dataclasses of scalars and Enums."""
+
+    # Names a repr may use, for `__fx_repr__` and `eval`.
+    _ENUMS: ClassVar[tuple[type, ...]] = (Format, Granularity, ScaleRounding)
+
+    # --- the block layout (overridden) -------------------------------------------------
+    def element_format(self) -> Format:
+        raise NotImplementedError
+
+    def layout(self) -> tuple[Granularity, int, int]:
+        """(granularity, axis, block) of this quantizer's scales. (Methods, not properties: Dynamo cannot read a property of a slotted value opaque object.)"""
+        raise NotImplementedError
+
+    def uses_tensor_amax(self) -> bool:
+        """True when a tensor-level amax feeds the scale; that amax is what `amax_group` reduces."""
+        return self.layout()[0] is Granularity.TENSORWISE
+
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def needs_seed(self) -> bool:
+        return False
+
+    # --- value-object protocol ---------------------------------------------------------
+    def __repr__(self) -> str:
+        parts = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            parts.append(f"{f.name}={type(v).__name__}.{v.name}" if isinstance(v, enum.Enum) else f"{f.name}={v!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        # Classes only, never a module: a module here breaks inductor's FX graph cache pickling.
+        names = {type(self).__name__: type(self)}
+        names.update({e.__name__: e for e in self._ENUMS})
+        return repr(self), names
+
+    # --- shapes ------------------------------------------------------------------------
+    def check_shape(self, shape: tuple[int, ...] | torch.Size) -> None:
+        """Raise a ValueError, naming the padding needed, if `shape` cannot be quantized."""
+        gran, axis, block = self.layout()
+        shape = tuple(shape)
+        name = type(self).__name__
+        if gran is Granularity.ROWWISE:
+            if len(shape) == 0:
+                raise ValueError(f"{name} ROWWISE needs a tensor with at least 1 dim, got a 0-dim tensor")
+            if not -len(shape) <= axis < len(shape):
+                raise ValueError(f"{name}: axis={axis} is out of range for a {len(shape)}-dim tensor of shape {shape}")
+        if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D):
+            need = 1 if gran is Granularity.BLOCKWISE_1D else 2
+            if len(shape) < need:
+                raise ValueError(f"{name} {gran.name} (block {block}) needs at least {need} dims, got shape {shape}")
+            for d in range(len(shape) - need, len(shape)):
+                if shape[d] % block:
+                    padded = math.ceil(shape[d] / block) * block
+                    raise ValueError(
+                        f"{name}: dim {d} of shape {shape} is {shape[d]}, not a multiple of the block size {block}; "
+                        f"pad it with {padded - shape[d]} zeros to {padded} (e.g. torch.nn.functional.pad)"
+                    )
+        if self.element_format().bits == 4 and (len(shape) == 0 or shape[-1] % 2):
+            raise ValueError(f"{name}: 4-bit payloads pack two elements a byte; the last dim must be even, got shape {shape}")
+        if getattr(self, "hadamard", False) and shape[-1] % 16:
+            raise ValueError(f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}")
+
+    def scale_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """Shape of the scale tensor for a tensor of `shape` (`check_shape` must pass)."""
+        gran, axis, block = self.layout()
+        shape = tuple(shape)
+        if gran is Granularity.TENSORWISE:
+            return ()
+        if gran is Granularity.ROWWISE:
+            axis %= len(shape)
+            return shape[:axis] + (1,) + shape[axis + 1 :]
+        if gran is Granularity.BLOCKWISE_1D:
+            return shape[:-1] + (shape[-1] // block,)
+        return shape[:-2] + (shape[-2] // block, shape[-1] // block)
+
+    def payload_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        shape = tuple(shape)
+        per_byte = self.element_format().elements_per_byte
+        return shape if per_byte == 1 else shape[:-1] + (shape[-1] // per_byte,)
+
+    def logical_shape(self, payload_shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        shape = tuple(payload_shape)
+        per_byte = self.element_format().elements_per_byte
+        return shape if per_byte == 1 else shape[:-1] + (shape[-1] * per_byte,)
+
+    def _check_epsilon(self, max_value: float) -> None:
+        eps = self.amax_epsilon
+        if not (isinstance(eps, float) and math.isfinite(eps) and eps > 0 and max_value / eps < _FP32_MAX):
+            raise _bad(type(self).__name__, "amax_epsilon", eps, f"a positive float with {max_value}/amax_epsilon finite in fp32 (>= 1e-30)")
+
+    def _check_enum(self, field: str, allowed: tuple) -> None:
+        v = getattr(self, field)
+        if v not in allowed:
+            raise _bad(type(self).__name__, field, v, ", ".join(f"{type(a).__name__}.{a.name}" for a in allowed))
+
+    def _check_int(self, field: str, low: int) -> None:
+        v = getattr(self, field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise _bad(type(self).__name__, field, v, f"an int >= {low}")
+
+    def _check_bool(self, *fields: str) -> None:
+        for f in fields:
+            if not isinstance(getattr(self, f), bool):
+                raise _bad(type(self).__name__, f, getattr(self, f), "True or False")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+class Float8Quantizer(Quantizer):
+    """FP8 (E4M3 or E5M2) with fp32 scales: ``scale = fmt_max / max(amax, amax_epsilon)``.
+
+    Granularity TENSORWISE (default), ROWWISE (one scale per slice along `axis`), BLOCKWISE_1D
+    (1 x `block_size`, DeepSeek-V3 activations) or BLOCKWISE_2D (`block_size` x `block_size`,
+    DeepSeek-V3 weights). `power_of_two_scale` rounds each scale down to a power of two.
+
+    Example:
+        >>> Float8Quantizer(granularity=Granularity.BLOCKWISE_1D, power_of_two_scale=True)
+    """
+
+    format: Format = Format.E4M3
+    granularity: Granularity = Granularity.TENSORWISE
+    axis: int = -1
+    block_size: int = 128
+    power_of_two_scale: bool = False
+    amax_epsilon: float = 1e-12
+
+    def __post_init__(self) -> None:
+        self._check_enum("format", (Format.E4M3, Format.E5M2))
+        self._check_enum("granularity", tuple(Granularity))
+        self._check_int("block_size", 1)
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise _bad("Float8Quantizer", "axis", self.axis, "an int")
+        self._check_bool("power_of_two_scale")
+        self._check_epsilon(self.format.max_value)
+
+    def element_format(self) -> Format:
+        return self.format
+
+    def layout(self) -> tuple[Granularity, int, int]:
+        return self.granularity, self.axis, self.block_size
+
+
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+class MXQuantizer(Quantizer):
+    """OCP MX: 32-element blocks along the last dim sharing one E8M0 (power-of-two) scale.
+
+    `format` E4M3 or E5M2 gives MXFP8, E2M1 gives MXFP4. `scale_rounding` names the rule that
+    picks the block exponent (`ScaleRounding.FLOOR`, the OCP v1.0 rule, or `RCEIL`).
+    """
+
+    format: Format = Format.E4M3
+    scale_rounding: ScaleRounding = ScaleRounding.FLOOR
+
+    BLOCK: ClassVar[int] = 32
+
+    def __post_init__(self) -> None:
+        self._check_enum("format", (Format.E4M3, Format.E5M2, Format.E2M1))
+        self._check_enum("scale_rounding", tuple(ScaleRounding))
+
+    def element_format(self) -> Format:
+        return self.format
+
+    def layout(self) -> tuple[Granularity, int, int]:
+        return Granularity.BLOCKWISE_1D, -1, self.BLOCK
+
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float8_e8m0fnu
+
+
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+class NVFP4Quantizer(Quantizer):
+    """NVFP4: E2M1 elements in 16-element blocks (or 16x16 tiles with `block_2d`, for weights)
+    with E4M3 block scales under an fp32 tensor-level scale ``s_enc = 448 * 6 / amax``.
+
+    `stochastic_rounding` rounds elements up with probability equal to their distance from the
+    lower neighbour (seeded: pass `seed=` to `tq.quantize`). `hadamard` multiplies each
+    16-element block of the last dim by a 16x16 Hadamard matrix / 4 with a sign vector drawn
+    from `hadamard_seed`; both operands of a GEMM must use it, so it cancels in the product.
+    """
+
+    block_2d: bool = False
+    stochastic_rounding: bool = False
+    hadamard: bool = False
+    hadamard_seed: int = 0
+    amax_epsilon: float = 1e-12
+
+    BLOCK: ClassVar[int] = 16
+
+    def __post_init__(self) -> None:
+        self._check_bool("block_2d", "stochastic_rounding", "hadamard")
+        self._check_int("hadamard_seed", 0)
+        self._check_epsilon(Format.E4M3.max_value * Format.E2M1.max_value)
+
+    def element_format(self) -> Format:
+        return Format.E2M1
+
+    def layout(self) -> tuple[Granularity, int, int]:
+        return (Granularity.BLOCKWISE_2D if self.block_2d else Granularity.BLOCKWISE_1D), -1, self.BLOCK
+
+    def uses_tensor_amax(self) -> bool:
+        return True
+
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    def needs_seed(self) -> bool:
+        return self.stochastic_rounding
+
+
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+class IntQuantizer(Quantizer):
+    """Symmetric INT8 / INT4: ``scale = qmax / max(amax, amax_epsilon)``, round half to even.
+
+    Granularity TENSORWISE (default), ROWWISE (per channel: one scale per slice along `axis`;
+    for an (out, in) weight the default axis=-1 gives one scale per output channel) or
+    BLOCKWISE_1D (`block_size` elements of the last dim). INT4 is stored two to a byte.
+    """
+
+    format: Format = Format.INT8
+    granularity: Granularity = Granularity.TENSORWISE
+    axis: int = -1
+    block_size: int = 128
+    amax_epsilon: float = 1e-12
+
+    def __post_init__(self) -> None:
+        self._check_enum("format", (Format.INT8, Format.INT4))
+        self._check_enum("granularity", (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE_1D))
+        self._check_int("block_size", 1)
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise _bad("IntQuantizer", "axis", self.axis, "an int")
+        self._check_epsilon(self.format.max_value)
+
+    def element_format(self) -> Format:
+        return self.format
+
+    def layout(self) -> tuple[Granularity, int, int]:
+        return self.granularity, self.axis, self.block_size
+
+
+for _cls in (Quantizer, Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer):
+    register_opaque_type(_cls, typ="value")

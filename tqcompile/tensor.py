@@ -1,0 +1,286 @@
+"""QuantizedTensor: a traceable wrapper subclass holding quantized payloads and their scales.
+
+Inner tensors (any may be absent, but not both usages):
+
+- rowwise usage: ``_data`` (payload in the logical shape, 4-bit formats packed two a byte along
+  the last dim), ``_scale_inv`` (shape ``quantizer.scale_shape(shape)``), ``_amax`` (the
+  tensor-level amax, for quantizers that use one);
+- columnwise usage: the same of the 2-D transpose ``x.reshape(-1, K).t()``, as a GEMM that
+  reduces over the rows needs it (dgrad's weight, wgrad's operands): ``_data_t``,
+  ``_scale_inv_t``, ``_amax_t``.
+
+Metadata: the quantizer, the original dtype, and the *name* of the amax reduction group (see
+`tqcompile.distributed.groups` for why a name and not the group). `t()` of a 2-D tensor swaps the
+two usages, since the rowwise usage of ``x.t()`` is the columnwise usage of ``x``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from tqcompile import ops
+from tqcompile.distributed.groups import resolve_group
+from tqcompile.quantizers import Granularity, Quantizer
+
+__all__ = ["QuantizedTensor"]
+
+aten = torch.ops.aten
+_ROWWISE = ("_data", "_scale_inv", "_amax")
+_COLUMNWISE = ("_data_t", "_scale_inv_t", "_amax_t")
+_INNER = _ROWWISE + _COLUMNWISE
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized tensor: payload(s), scales, the quantizer that made them and the amax group.
+
+    Make one with `tq.quantize(x, quantizer, amax_group=..., rowwise=..., columnwise=...)`;
+    get a high-precision tensor back with `.dequantize()`. Ops other than the few that parameters
+    and FSDP2/DTensor need (detach, clone, `to`, views keeping the last dim, slicing/splitting dim
+    0, `t`, `copy_`, `empty_like`) raise an error that names the op.
+    """
+
+    _data: torch.Tensor | None
+    _scale_inv: torch.Tensor | None
+    _amax: torch.Tensor | None
+    _data_t: torch.Tensor | None
+    _scale_inv_t: torch.Tensor | None
+    _amax_t: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, **inner):
+        ref = inner.get("_data") if inner.get("_data") is not None else inner.get("_data_t")
+        if ref is None:
+            raise ValueError("QuantizedTensor needs a rowwise (_data) or a columnwise (_data_t) payload")
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=orig_dtype, device=ref.device, requires_grad=False)
+
+    def __init__(self, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, **inner):
+        unknown = set(inner) - set(_INNER)
+        if unknown:
+            raise TypeError(f"QuantizedTensor: unknown inner tensors {sorted(unknown)}; allowed: {_INNER}")
+        for name in _INNER:
+            setattr(self, name, inner.get(name))
+        self.quantizer = quantizer
+        self.orig_dtype = orig_dtype
+        self.amax_group_name = amax_group_name
+
+    # --- public accessors ----------------------------------------------------------------
+    @property
+    def amax_group(self):
+        """The ProcessGroup the amax was reduced over (None if it was not reduced)."""
+        return resolve_group(self.amax_group_name)
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self._data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self._data_t is not None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision tensor (`dtype`, default the original dtype) this one stands for."""
+        dtype = dtype or self.orig_dtype
+        if self._data is not None:
+            return ops.dequantize(self._data, self._scale_inv, self._amax, self.quantizer, dtype)
+        out = ops.dequantize(self._data_t, self._scale_inv_t, self._amax_t, self.quantizer, dtype)
+        return out.t().reshape(self.shape)
+
+    def __repr__(self) -> str:
+        usages = "+".join(u for u, present in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if present)
+        group = f", amax_group={self.amax_group_name!r}" if self.amax_group_name else ""
+        return f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, {self.quantizer!r}, usages={usages}{group})"
+
+    # --- tracing ---------------------------------------------------------------------------
+    def __tensor_flatten__(self):
+        return [n for n in _INNER if getattr(self, n) is not None], (self.quantizer, self.orig_dtype, self.amax_group_name)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta, outer_size, outer_stride):
+        quantizer, orig_dtype, group_name = meta
+        return QuantizedTensor(outer_size, quantizer, orig_dtype, group_name, **inner)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def _inner(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in _INNER if getattr(self, n) is not None}
+
+    def _with(self, shape=None, orig_dtype=None, **inner) -> QuantizedTensor:
+        return QuantizedTensor(
+            self.shape if shape is None else shape, self.quantizer, orig_dtype or self.orig_dtype, self.amax_group_name, **inner
+        )
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], **kw) -> QuantizedTensor:
+        return self._with(**kw, **{n: fn(t) for n, t in self._inner().items()})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            qt = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, QuantizedTensor))
+            raise NotImplementedError(
+                f"QuantizedTensor does not support {func} (its {qt.quantizer!r} payload is not a {qt.orig_dtype} "
+                f"tensor). Call .dequantize() first and apply {func.__name__} to the high-precision result."
+            )
+        return handler(func, args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Supported aten ops
+# ---------------------------------------------------------------------------------------------
+_HANDLERS: dict[Any, Callable] = {}
+
+
+def _implements(*funcs):
+    def deco(fn):
+        for f in funcs:
+            _HANDLERS[f] = fn
+        return fn
+
+    return deco
+
+
+@_implements(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    return return_and_correct_aliasing(func, args, kwargs, args[0]._map(func))
+
+
+@_implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    memory_format = kwargs.get("memory_format", torch.preserve_format)
+    if memory_format not in (torch.preserve_format, torch.contiguous_format):
+        raise ValueError(f"QuantizedTensor.clone supports preserve_format/contiguous_format, got {memory_format}")
+    return args[0]._map(torch.clone)
+
+
+@_implements(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    return args[0]._map(torch.empty_like)
+
+
+@_implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    self = args[0]
+    dtype = kwargs.get("dtype") or self.orig_dtype
+    if not dtype.is_floating_point:
+        raise TypeError(f"QuantizedTensor.to(dtype={dtype}): the nominal dtype must be floating point")
+    device = kwargs.get("device") or self.device
+    return self._map(lambda t: t.to(device=device, copy=True), orig_dtype=dtype)
+
+
+@_implements(aten.t.default, aten.transpose.int)
+def _transpose(func, args, kwargs):
+    self = args[0]
+    if self.dim() != 2 or (func is aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]):
+        raise NotImplementedError(f"QuantizedTensor supports t()/transpose(0, 1) of 2-D tensors only; got {func} on shape {tuple(self.shape)}")
+    inner = self._inner()
+    swapped = {b: inner[a] for a, b in zip(_ROWWISE + _COLUMNWISE, _COLUMNWISE + _ROWWISE) if a in inner}
+    out = self._with(shape=(self.shape[1], self.shape[0]), **swapped)
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    self, size = args[0], args[1]
+    new_shape = torch.empty(self.shape, device="meta").view(size).shape
+    q = self.quantizer
+    gran, axis, _ = q.layout()
+    if self.dim() == 0 or len(new_shape) == 0 or new_shape[-1] != self.shape[-1]:
+        raise NotImplementedError(f"QuantizedTensor views must keep the last dim: {tuple(self.shape)} -> {tuple(new_shape)}")
+    if gran is Granularity.ROWWISE and axis % self.dim() != self.dim() - 1:
+        raise NotImplementedError(f"QuantizedTensor with ROWWISE scales along axis {axis} cannot be viewed as {tuple(new_shape)}")
+    q.check_shape(new_shape)
+    inner = self._inner()
+    if "_data" in inner:
+        inner["_data"] = inner["_data"].view(q.payload_shape(new_shape))
+        inner["_scale_inv"] = inner["_scale_inv"].reshape(q.scale_shape(new_shape))
+    out = self._with(shape=new_shape, **inner)
+    return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
+
+
+def _slice_payload(data, scale, q, dim, start, end, length):
+    """Slice elements [start, end) of a payload along `dim` (logical length `length`), keeping the
+    scales that go with them; error where the slice would cut a shared scale."""
+    packed = q.element_format().elements_per_byte
+    per_byte = packed if dim == data.dim() - 1 else 1
+    if start % per_byte or end % per_byte:
+        raise NotImplementedError(f"slice [{start}:{end}] splits a byte of packed 4-bit elements")
+    data = data.narrow(dim, start // per_byte, (end - start) // per_byte)
+    if scale.dim():
+        n = scale.shape[dim]
+        if n != length:
+            block = length // n if n > 1 or length == 1 else length
+            if start % block or end % block:
+                raise NotImplementedError(
+                    f"slice [{start}:{end}] of dim {dim} cuts through scaling units of {block} elements; "
+                    f"slice at multiples of {block} or dequantize first"
+                )
+            start, end = start // block, end // block
+        scale = scale.narrow(dim, start, end - start)
+    return data, scale
+
+
+@_implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    self, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]
+    if self.dim() == 0 or dim % self.dim() != 0 or step != 1:
+        raise NotImplementedError(f"QuantizedTensor supports slicing dim 0 with step 1; got dim={dim}, step={step}")
+    rows = range(self.shape[0])[slice(start, end)]
+    start, end = rows.start, rows.start + len(rows)
+    inner = self._inner()
+    if "_data" in inner:
+        inner["_data"], inner["_scale_inv"] = _slice_payload(inner["_data"], inner["_scale_inv"], self.quantizer, 0, start, end, self.shape[0])
+    if "_data_t" in inner:
+        # The columnwise payload is (K, R) with R = numel / K: dim 0 of a 1-D tensor is its K,
+        # otherwise a row of dim 0 is `inner_rows` consecutive columns.
+        if self.dim() == 1:
+            dim_t, lo, hi, length = 0, start, end, self.shape[0]
+        else:
+            inner_rows = self.numel() // (self.shape[0] * self.shape[-1]) if self.numel() else 0
+            dim_t, lo, hi, length = 1, start * inner_rows, end * inner_rows, self.shape[0] * inner_rows
+        inner["_data_t"], inner["_scale_inv_t"] = _slice_payload(inner["_data_t"], inner["_scale_inv_t"], self.quantizer, dim_t, lo, hi, length)
+    out = self._with(shape=(end - start,) + tuple(self.shape[1:]), **inner)
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@_implements(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(func, args, kwargs):
+    self, sizes = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if isinstance(sizes, int):
+        sizes = [min(sizes, self.shape[dim] - i) for i in range(0, self.shape[dim], sizes)]
+    bounds, offset = [], 0
+    for s in sizes:
+        bounds.append((offset, offset + s))
+        offset += s
+    return [_slice(aten.slice.Tensor, (self, dim, a, b), {}) for a, b in bounds]
+
+
+@_implements(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, QuantizedTensor):
+        raise NotImplementedError("copying a QuantizedTensor into a plain tensor: use dst.copy_(src.dequantize())")
+    if dst.shape != src.shape:
+        raise ValueError(f"copy_: shape mismatch, destination {tuple(dst.shape)} vs source {tuple(src.shape)}")
+    if not isinstance(src, QuantizedTensor):
+        from tqcompile.api import quantize
+
+        src = quantize(
+            src.to(dst.orig_dtype) if src.dtype != dst.orig_dtype else src,
+            dst.quantizer,
+            amax_group=dst.amax_group_name,
+            rowwise=dst.has_rowwise,
+            columnwise=dst.has_columnwise,
+        )
+    if src.quantizer != dst.quantizer or set(src._inner()) != set(dst._inner()):
+        raise ValueError(
+            f"copy_: source {src!r} does not match destination {dst!r}; quantizer and usages must be equal"
+        )
+    for name, t in dst._inner().items():
+        t.copy_(getattr(src, name))
+    return dst
