@@ -28,6 +28,7 @@ def quantize(
     rowwise: bool = True,
     columnwise: bool = False,
     seed: torch.Tensor | None = None,
+    amax_history: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize `x` with `quantizer`.
 
@@ -41,6 +42,9 @@ def quantize(
         rowwise / columnwise: which usages to produce; columnwise quantizes ``x.reshape(-1, K).t()``.
         seed: int64 tensor ``[seed, offset]`` for stochastic rounding; drawn from torch's global
             generator when omitted.
+        amax_history: delayed scaling: a 1-D fp32 buffer of past (group-reduced) amaxes. The scale
+            comes from its max (the current amax on the first step, while it is all zeros), and the
+            current amax is rolled into it in place. Only for quantizers with a tensor-level amax.
 
     Example:
         >>> qx = tq.quantize(torch.randn(32, 64), tq.Float8Quantizer())
@@ -75,6 +79,8 @@ def quantize(
     elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
         raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
 
+    if amax_history is not None and not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
+        raise ValueError(f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}")
     group_name = group_name_of(amax_group)
     amax = amax_t = None
     if quantizer.uses_tensor_amax():
@@ -87,6 +93,9 @@ def quantize(
             else:
                 amax = all_reduce_amax(amax, group_name)
                 amax_t = amax if columnwise else None
+        if amax_history is not None:
+            amax = ops.amax_history_update(amax_history, amax)
+            amax_t = amax if columnwise else None
 
     inner = {}
     if rowwise:

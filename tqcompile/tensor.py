@@ -81,6 +81,18 @@ class QuantizedTensor(torch.Tensor):
     def has_columnwise(self) -> bool:
         return self._data_t is not None
 
+    def usage(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(payload, scale_inv, amax) of the rowwise or the columnwise usage, for a GEMM."""
+        parts = (self._data_t, self._scale_inv_t, self._amax_t) if columnwise else (self._data, self._scale_inv, self._amax)
+        if parts[0] is None:
+            raise ValueError(f"{self!r} has no {'columnwise' if columnwise else 'rowwise'} usage; quantize with it")
+        return parts
+
+    def keep_usages(self, *, rowwise: bool, columnwise: bool) -> QuantizedTensor:
+        """The same tensor holding only the usages asked for (e.g. what backward still needs)."""
+        names = (_ROWWISE if rowwise else ()) + (_COLUMNWISE if columnwise else ())
+        return self._with(**{n: t for n, t in self._inner().items() if n in names})
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor (`dtype`, default the original dtype) this one stands for."""
         dtype = dtype or self.orig_dtype

@@ -2,6 +2,7 @@
 them without running them, and a reference kernel (`tqcompile.kernels.reference`) that defines
 the numerics."""
 
+from tqcompile.ops.gemm import amax_history_update, gemm_tn
 from tqcompile.ops.quantize import amax, dequantize, quantize
 
-__all__ = ["amax", "quantize", "dequantize"]
+__all__ = ["amax", "quantize", "dequantize", "gemm_tn", "amax_history_update"]

@@ -1,0 +1,79 @@
+"""The quantized GEMM, and the amax-history update of delayed scaling.
+
+All three GEMMs of a linear layer are written in one "TN" form, ``out = a @ b.T`` with both
+operands quantized along the reduction dim K (their last dim):
+
+- fprop  y  = x  @ W.T : a = x rowwise (M, K),    b = W rowwise (N, K)
+- dgrad  dx = dy @ W   : a = dy rowwise (M, N),   b = W columnwise (K, N)
+- wgrad  dW = dy.T @ x : a = dy columnwise (N, M), b = x columnwise (K, M)
+
+so one op serves them all. It uses `torch._scaled_mm` where that applies (FP8 tensorwise or
+rowwise scales; on CPU in torch 2.13 it matches the fp32 emulation exactly), and otherwise an
+explicit emulation: dequantize both operands to fp32 and matmul (MX, NVFP4, FP8 blocks, INT).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqcompile.kernels import reference
+from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
+
+
+def _scaled_mm_applies(a_data: torch.Tensor, a_q: Quantizer, b_data: torch.Tensor, b_q: Quantizer, out_dtype: torch.dtype) -> bool:
+    if not (isinstance(a_q, Float8Quantizer) and isinstance(b_q, Float8Quantizer)):
+        return False
+    grans = {a_q.granularity, b_q.granularity}
+    rowwise = grans == {Granularity.ROWWISE}
+    if not (grans == {Granularity.TENSORWISE} or (rowwise and a_q.axis % 2 == 1 and b_q.axis % 2 == 1)):
+        return False
+    if a_data.device.type == "cpu":
+        return True
+    # CUDA's FP8 GEMMs: dims multiples of 16, not both E5M2; rowwise wants E4M3 and bf16 out.
+    dims_ok = all(d % 16 == 0 for d in (*a_data.shape, b_data.shape[0]))
+    both_e5m2 = a_q.format.name == b_q.format.name == "E5M2"
+    if rowwise:
+        return dims_ok and a_q.format.name == b_q.format.name == "E4M3" and out_dtype is torch.bfloat16
+    return dims_ok and not both_e5m2
+
+
+@torch.library.custom_op("tqcompile::gemm_tn", mutates_args=())
+def gemm_tn(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    a_amax: torch.Tensor | None,
+    a_quantizer: Quantizer,
+    b_data: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    b_amax: torch.Tensor | None,
+    b_quantizer: Quantizer,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ b.T`` of two 2-D quantized operands, both quantized along their last dim (K)."""
+    if _scaled_mm_applies(a_data, a_quantizer, b_data, b_quantizer, out_dtype):
+        return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
+    a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
+    b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)
+    return (a @ b.t()).to(out_dtype)
+
+
+@gemm_tn.register_fake
+def _gemm_tn_fake(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("tqcompile::amax_history_update", mutates_args=("history",))
+def amax_history_update(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Delayed scaling: return the amax to scale with now (the max of the history window, or the
+    current amax while the history is still all zeros, i.e. on the first step), then roll the
+    history one place and write the current amax at index 0."""
+    window = history.amax()
+    used = torch.where(window > 0, window, amax.to(history.dtype))
+    history.copy_(torch.roll(history, 1, 0))
+    history[0] = amax
+    return used
+
+
+@amax_history_update.register_fake
+def _amax_history_update_fake(history, amax):
+    return history.new_empty(())
