@@ -2,8 +2,10 @@
 
 import torch as _torch
 
+from tqcompile import nn, recipes  # noqa: E402  (nn and recipes import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.formats import Format
+from tqcompile.nn.convert import convert
 from tqcompile.quantizers import (
     Float8Quantizer,
     Granularity,
@@ -13,6 +15,7 @@ from tqcompile.quantizers import (
     Quantizer,
     ScaleRounding,
 )
+from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 
 __version__ = "0.1.0"
@@ -29,9 +32,13 @@ __all__ = [
     "QuantizedTensor",
     "quantize",
     "SUPPORTED_DTYPES",
+    "Recipe",
+    "recipes",
+    "nn",
+    "convert",
 ]
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.
 _torch.serialization.add_safe_globals(
-    [QuantizedTensor, Format, Granularity, ScaleRounding, Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer]
+    [QuantizedTensor, Recipe, Format, Granularity, ScaleRounding, Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer]
 )

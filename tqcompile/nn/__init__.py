@@ -1,0 +1,7 @@
+"""Quantized modules and model conversion."""
+
+from tqcompile.nn.convert import ConversionWarning, PlannedConversion, conversion_plan, convert, register_converter
+from tqcompile.nn.functional import linear, qgemm
+from tqcompile.nn.linear import GroupedLinear, Linear
+
+__all__ = ["Linear", "GroupedLinear", "linear", "qgemm", "convert", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]

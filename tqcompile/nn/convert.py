@@ -1,0 +1,126 @@
+"""`tq.convert`: swap a model's layers for quantized ones, in place, through a registry.
+
+A module is converted by the registered converter of the first class in its MRO that has one,
+so subclasses of `nn.Linear` match too. A subclass is converted by giving the module a new class
+that inherits from both its own class and `tq.nn.Linear` (attributes, extra methods and hooks are
+kept). A subclass that overrides `forward` keeps Linear semantics only if that forward computes
+through `super().forward(...)`; it cannot be checked, so such a class must say so with a class
+attribute ``tq_linear_semantics = True`` (then its `super().forward` runs quantized), otherwise it
+is skipped and reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+from torch import nn
+
+from tqcompile.nn.linear import Linear, _Quantized
+from tqcompile.recipes import Recipe
+
+__all__ = ["convert", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]
+
+Converter = Callable[[nn.Module, Recipe], None]
+_REGISTRY: dict[type, Converter] = {}
+_SUBCLASS_CACHE: dict[type, type] = {}
+
+
+class ConversionWarning(UserWarning):
+    """Layers `tq.convert` left in high precision, with the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedConversion:
+    name: str
+    module_type: str
+    action: str  # "convert", "skip" or "already converted"
+    reason: str = ""
+
+
+def register_converter(cls: type) -> Callable[[Converter], Converter]:
+    """Register `fn(module, recipe)` to convert modules of `cls` (and its subclasses) in place."""
+
+    def deco(fn: Converter) -> Converter:
+        _REGISTRY[cls] = fn
+        return fn
+
+    return deco
+
+
+def _converter_for(module: nn.Module) -> Converter | None:
+    for cls in type(module).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    return None
+
+
+def _quantized_class(cls: type) -> type:
+    if cls is nn.Linear:
+        return Linear
+    if cls not in _SUBCLASS_CACHE:
+        _SUBCLASS_CACHE[cls] = type(f"Quantized{cls.__name__}", (cls, Linear), {"__module__": cls.__module__})
+    return _SUBCLASS_CACHE[cls]
+
+
+@register_converter(nn.Linear)
+def _convert_linear(module: nn.Module, recipe: Recipe) -> None:
+    module.__class__ = _quantized_class(type(module))
+    module._init_quantized(recipe)
+
+
+def _skip_reason(module: nn.Module, recipe: Recipe) -> str:
+    cls = type(module)
+    if isinstance(module, nn.Linear):
+        if cls.forward is not nn.Linear.forward and not getattr(cls, "tq_linear_semantics", False):
+            return (
+                f"{cls.__name__} overrides forward; if it computes through super().forward(...), set the class attribute "
+                "tq_linear_semantics = True to convert it"
+            )
+        return recipe.unsupported_reason(module.in_features, module.out_features) or ""
+    return ""
+
+
+def conversion_plan(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None) -> list[PlannedConversion]:
+    """What `convert(model, recipe, filter_fn=...)` would do to each convertible layer."""
+    plan = []
+    for name, module in model.named_modules():
+        if isinstance(module, _Quantized):
+            if module.recipe != recipe:
+                raise ValueError(
+                    f"tq.convert: layer {name!r} is already converted with recipe {module.recipe.name!r}; "
+                    f"converting it again with {recipe.name!r} is not supported (convert a fresh model)"
+                )
+            plan.append(PlannedConversion(name, type(module).__name__, "already converted"))
+            continue
+        if _converter_for(module) is None or (filter_fn is not None and not filter_fn(module, name)):
+            continue
+        reason = _skip_reason(module, recipe)
+        plan.append(PlannedConversion(name, type(module).__name__, "skip" if reason else "convert", reason))
+    return plan
+
+
+def convert(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Convert, in place, every layer of `model` that has a registered converter and passes
+    `filter_fn(module, fqn)`, and return `model`.
+
+    Layers whose shapes `recipe` cannot serve (or that override forward without declaring
+    Linear semantics) are left alone and reported in one `ConversionWarning`. Converting again
+    with the same recipe changes nothing; with another recipe it raises.
+
+    Example:
+        >>> model = tq.convert(model, tq.recipes.mxfp8(), filter_fn=lambda m, fqn: "lm_head" not in fqn)
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"tq.convert: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
+    plan = conversion_plan(model, recipe, filter_fn=filter_fn)
+    modules = dict(model.named_modules())
+    for p in plan:
+        if p.action == "convert":
+            _converter_for(modules[p.name])(modules[p.name], recipe)
+    skipped = [p for p in plan if p.action == "skip"]
+    if skipped:
+        lines = "\n".join(f"  {p.name or '<root>'} ({p.module_type}): {p.reason}" for p in skipped)
+        warnings.warn(f"tq.convert left {len(skipped)} layer(s) in high precision:\n{lines}", ConversionWarning, stacklevel=2)
+    return model
