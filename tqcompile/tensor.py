@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from tqcompile import ops
 from tqcompile.distributed.groups import resolve_group
@@ -143,6 +142,12 @@ class QuantizedTensor(torch.Tensor):
 
 # ---------------------------------------------------------------------------------------------
 # Supported aten ops
+#
+# View ops (detach, t, view, slice) return a new wrapper whose inner tensors are views of the
+# input's, without `return_and_correct_aliasing`: with it, AOTAutograd rebuilds an output that is
+# a view of a subclass graph input through `as_strided` (pytorch/pytorch#184002, torch 2.13),
+# which a quantized payload cannot support. Inner tensors still alias, so in-place updates of a
+# payload are seen through every view.
 # ---------------------------------------------------------------------------------------------
 _HANDLERS: dict[Any, Callable] = {}
 
@@ -158,7 +163,7 @@ def _implements(*funcs):
 
 @_implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
-    return return_and_correct_aliasing(func, args, kwargs, args[0]._map(func))
+    return args[0]._map(func)
 
 
 @_implements(aten.clone.default)
@@ -192,7 +197,7 @@ def _transpose(func, args, kwargs):
     inner = self._inner()
     swapped = {b: inner[a] for a, b in zip(_ROWWISE + _COLUMNWISE, _COLUMNWISE + _ROWWISE) if a in inner}
     out = self._with(shape=(self.shape[1], self.shape[0]), **swapped)
-    return return_and_correct_aliasing(func, args, kwargs, out)
+    return out
 
 
 @_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -211,7 +216,7 @@ def _view(func, args, kwargs):
         inner["_data"] = inner["_data"].view(q.payload_shape(new_shape))
         inner["_scale_inv"] = inner["_scale_inv"].reshape(q.scale_shape(new_shape))
     out = self._with(shape=new_shape, **inner)
-    return return_and_correct_aliasing(func, args, kwargs, out) if func is aten.view.default else out
+    return out
 
 
 def _slice_payload(data, scale, q, dim, start, end, length):
@@ -256,7 +261,7 @@ def _slice(func, args, kwargs):
             dim_t, lo, hi, length = 1, start * inner_rows, end * inner_rows, self.shape[0] * inner_rows
         inner["_data_t"], inner["_scale_inv_t"] = _slice_payload(inner["_data_t"], inner["_scale_inv_t"], self.quantizer, dim_t, lo, hi, length)
     out = self._with(shape=(end - start,) + tuple(self.shape[1:]), **inner)
-    return return_and_correct_aliasing(func, args, kwargs, out)
+    return out
 
 
 @_implements(aten.split.Tensor, aten.split_with_sizes.default)
