@@ -69,13 +69,15 @@ def quantize(
     if columnwise:
         if x.dim() < 1:
             raise ValueError("tq.quantize: columnwise usage needs a tensor with at least 1 dim")
-        x_t = x.reshape(-1, x.shape[-1]).t()
+        x_t = x.reshape(x.shape[:-1].numel(), x.shape[-1]).t()  # not reshape(-1, K): ambiguous when K == 0
         try:
             quantizer.check_shape(x_t.shape)
         except ValueError as e:
             raise ValueError(f"tq.quantize: columnwise usage quantizes the transpose, of shape {tuple(x_t.shape)}: {e}") from None
     if seed is None and quantizer.needs_seed():
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
+    elif seed is not None and not isinstance(seed, torch.Tensor):
+        raise TypeError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {type(seed).__name__} {seed!r}")
     elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
         raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
 

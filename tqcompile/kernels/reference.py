@@ -11,6 +11,8 @@ Conventions, used everywhere:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tqcompile.formats import E2M1_VALUES, Format
@@ -107,7 +109,9 @@ def _hadamard(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor
     m = hadamard_matrix(seed, x.device)
     if inverse:
         m = m.t()
-    return (x.unflatten(-1, (x.shape[-1] // 16, 16)) @ m).flatten(-2)
+    # Eager custom-op kernels run under the caller's autocast, which would make this matmul bf16.
+    with torch.autocast(x.device.type, enabled=False):
+        return (x.unflatten(-1, (x.shape[-1] // 16, 16)) @ m).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +152,18 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
 
 def _cast_float8(v: torch.Tensor, fmt: Format) -> torch.Tensor:
     m = fmt.max_value
+    # Every NaN encodes as +NaN (0x7F). Which sign bit torch leaves on a NaN is path-dependent: a
+    # GPU multiply returns +NaN, a CPU one keeps its operand's sign, and CPU fp16 -> fp32 keeps it
+    # on its vectorized path only (a 1-element -NaN fp16 tensor came out 0x7F, a 64-element one 0xFF).
+    v = torch.where(torch.isnan(v), math.nan, v)
     return v.clamp(-m, m).to(fmt.torch_dtype)
+
+
+def _div_scalar(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor`` rounded once on every device. (CUDA torch divides by a Python scalar as a
+    multiply by its rounded reciprocal, which can be an ulp off; a same-device tensor divisor is a
+    true division there and on the CPU.)"""
+    return torch.div(t, t.new_full((), divisor))
 
 
 def _e8m0_decode(code: torch.Tensor) -> torch.Tensor:
@@ -175,7 +190,9 @@ def tensor_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
 
 
 def _scale_from_amax(amax: torch.Tensor, fmt_max: float, eps: float, power_of_two: bool) -> torch.Tensor:
-    scale = fmt_max / amax.clamp(min=eps)
+    # torch.div, not `fmt_max / tensor`: Python's reflected division runs as reciprocal-then-multiply,
+    # which rounds twice and is one ulp off the fp32 quotient (TE's __fdiv_rn) for about 1 amax in 4.
+    scale = torch.div(fmt_max, amax.clamp(min=eps))
     return _pow2_floor(scale) if power_of_two else scale
 
 
@@ -192,7 +209,7 @@ def _mx_exponent(amax: torch.Tensor, q: MXQuantizer) -> torch.Tensor:
         mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
         e = (exp - 1) - q.format.emax
     else:
-        mant, exp = torch.frexp(amax / q.format.max_value)
+        mant, exp = torch.frexp(_div_scalar(amax, q.format.max_value))
         e = torch.where(mant == 0.5, exp - 1, exp)
     e = torch.where(amax > 0, e, torch.full_like(e, -127))
     return e.clamp(-127, 127)
@@ -227,9 +244,9 @@ def _quantize(xf, q, amax, seed):
     if isinstance(q, NVFP4Quantizer):
         if amax is None:
             raise ValueError("NVFP4 quantize needs the tensor amax (tensor_amax(x, q), group-reduced)")
-        s_enc = _NVFP4_ENC / amax.float().clamp(min=q.amax_epsilon)
+        s_enc = torch.div(_NVFP4_ENC, amax.float().clamp(min=q.amax_epsilon))  # rounded once, as in _scale_from_amax
         blk_amax = _unit_amax(_finite_abs(xf), q.layout())
-        s_blk = (blk_amax / Format.E2M1.max_value * s_enc).clamp(max=Format.E4M3.max_value).to(torch.float8_e4m3fn)
+        s_blk = (_div_scalar(blk_amax, Format.E2M1.max_value) * s_enc).clamp(max=Format.E4M3.max_value).to(torch.float8_e4m3fn)
         s_blk_f = _expand(s_blk.float(), xf.shape, q.layout())
         v = torch.where(s_blk_f == 0, torch.zeros_like(xf), xf * s_enc / s_blk_f)
         if q.stochastic_rounding:
@@ -258,7 +275,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor |
         vals = e2m1_decode(_unpack_nibbles(data)) if q.format is Format.E2M1 else data.float()
         out = vals * _expand(_e8m0_decode(scale_inv), shape, q.layout())
     elif isinstance(q, NVFP4Quantizer):
-        s_enc = _NVFP4_ENC / amax.float().clamp(min=q.amax_epsilon)
+        s_enc = torch.div(_NVFP4_ENC, amax.float().clamp(min=q.amax_epsilon))  # rounded once, as in _scale_from_amax
         out = e2m1_decode(_unpack_nibbles(data)) * _expand(scale_inv.float(), shape, q.layout()) / s_enc
         if q.hadamard:
             out = _hadamard(out, q.hadamard_seed, inverse=True)

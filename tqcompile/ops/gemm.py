@@ -23,6 +23,10 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
 def _scaled_mm_applies(a_data: torch.Tensor, a_q: Quantizer, b_data: torch.Tensor, b_q: Quantizer, out_dtype: torch.dtype) -> bool:
     if not (isinstance(a_q, Float8Quantizer) and isinstance(b_q, Float8Quantizer)):
         return False
+    # An empty operand (e.g. an MoE expert given no tokens): torch._scaled_mm rejects the (0, 1)
+    # rowwise scale, whose stride is (1, 0); the emulation returns the empty/zero product.
+    if 0 in (*a_data.shape, *b_data.shape):
+        return False
     grans = {a_q.granularity, b_q.granularity}
     rowwise = grans == {Granularity.ROWWISE}
     if not (grans == {Granularity.TENSORWISE} or (rowwise and a_q.axis % 2 == 1 and b_q.axis % 2 == 1)):
@@ -54,7 +58,10 @@ def gemm_tn(
         return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
     a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
     b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)
-    return (a @ b.t()).to(out_dtype)
+    # In eager mode a custom op's kernel runs under the caller's autocast, which would turn this
+    # fp32 emulation into a bf16 matmul (and differ from the compiled graph, which does not).
+    with torch.autocast(a.device.type, enabled=False):
+        return (a @ b.t()).to(out_dtype)
 
 
 @gemm_tn.register_fake
