@@ -55,6 +55,8 @@ def quantize(
         raise TypeError(f"tq.quantize: x is already quantized ({x!r}); dequantize it first")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tq.quantize: x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(quantizer, type) and issubclass(quantizer, Quantizer):
+        raise TypeError(f"tq.quantize: quantizer must be an instance; got the class {quantizer.__name__}, pass {quantizer.__name__}()")
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"tq.quantize: quantizer must be a tq.Quantizer (Float8Quantizer, ...), got {type(quantizer).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
