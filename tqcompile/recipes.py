@@ -86,7 +86,7 @@ class Recipe(OpaqueBase):
                     f"Recipe {self.name!r}: {a}={qa!r} and {b}={qb!r} are operands of one GEMM; a Hadamard transform "
                     "only cancels when both use it with the same hadamard_seed"
                 )
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 0:
+        if not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool) or self.amax_history_len < 0:
             raise ValueError(f"Recipe {self.name!r}: amax_history_len={self.amax_history_len!r}; allowed: an int >= 0")
         if self.amax_history_len:
             for field in _OPERANDS:
@@ -97,12 +97,13 @@ class Recipe(OpaqueBase):
                         f"Float8Quantizers; {field}={q!r}"
                     )
 
-    def unsupported_reason(self, in_features: int, out_features: int) -> str | None:
+    def unsupported_reason(self, in_features: int, out_features: int, num_tokens: int | None = None, *, backward: bool = True) -> str | None:
         """Why this recipe cannot serve a linear layer of these sizes, or None if it can.
 
-        Checks every operand for a token count that is a multiple of every block size; a token
-        count the blocks do not divide is reported when the layer runs."""
-        m = _PROBE_ROWS
+        `num_tokens` is the layer's token count (batch x sequence); left out, a count that is a
+        multiple of every block size is assumed, so only the feature sizes are checked.
+        `backward=False` checks the forward GEMM's operands only (inference)."""
+        m = _PROBE_ROWS if num_tokens is None else num_tokens
         shapes = {
             "fprop_input": (m, in_features),
             "fprop_weight": (out_features, in_features),
@@ -113,11 +114,13 @@ class Recipe(OpaqueBase):
         }
         for field, shape in shapes.items():
             q = getattr(self, field)
-            if q is None:
+            if q is None or (not backward and not field.startswith("fprop")):
                 continue
             try:
                 q.check_shape(shape)
             except ValueError as e:
+                if num_tokens is not None and m in shape:
+                    return f"{field} operand of shape {shape} ({m} tokens = batch x sequence): {e}"
                 return f"{field} operand of shape {shape}: {e}"
         return None
 

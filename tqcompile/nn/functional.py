@@ -41,19 +41,24 @@ class _LinearCtx:
 
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, amax_group, hist_x, hist_w, hist_dy):
+    def forward(ctx, x, weight, bias, recipe: Recipe, amax_group, backward: bool, hist_x, hist_w, hist_dy):
         r = recipe
+        # Build what backward needs only when it will run: `backward` is False under no_grad
+        # (needs_input_grad does not see grad mode, and forward always runs without it).
+        need_dgrad, need_wgrad = backward and ctx.needs_input_grad[0], backward and ctx.needs_input_grad[1]
         x2 = x.reshape(-1, x.shape[-1])
-        x_shared = r.wgrad_input == r.fprop_input
+        x_shared = need_wgrad and r.wgrad_input == r.fprop_input
         qx = quantize(x2, r.fprop_input, amax_group=amax_group, columnwise=x_shared, amax_history=hist_x)
-        w_shared = r.dgrad_weight == r.fprop_weight
+        w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
         qw = quantize(weight, r.fprop_weight, columnwise=w_shared, amax_history=hist_w)
         y = qgemm(qx, False, qw, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
 
         saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
-        if r.wgrad_input is None:
+        if not need_wgrad:
+            saved_x = None
+        elif r.wgrad_input is None:
             saved_x = x2
         elif x_shared:
             saved_x = qx.keep_usages(rowwise=False, columnwise=True)
@@ -85,7 +90,7 @@ class _QuantizedLinear(torch.autograd.Function):
                 dw = qgemm(qdy_t, True, saved_x, True, w_dtype)
         if a.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def linear(
@@ -113,7 +118,11 @@ def linear(
         raise TypeError(f"linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input last dim {x.shape[-1]} does not match weight in_features {weight.shape[-1]}")
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    reason = recipe.unsupported_reason(weight.shape[-1], weight.shape[0], x.numel() // max(x.shape[-1], 1), backward=backward)
+    if reason:
+        raise ValueError(f"linear: recipe {recipe.name!r} cannot serve this call: {reason}")
     if recipe.amax_history_len and amax_histories is None:
         raise ValueError(f"linear: recipe {recipe.name!r} uses delayed scaling; pass amax_histories (tq.nn.Linear owns them)")
     hist_x, hist_w, hist_dy = amax_histories if recipe.amax_history_len else (None, None, None)
-    return _QuantizedLinear.apply(x, weight, bias, recipe, amax_group, hist_x, hist_w, hist_dy)
+    return _QuantizedLinear.apply(x, weight, bias, recipe, amax_group, backward, hist_x, hist_w, hist_dy)

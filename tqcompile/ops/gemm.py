@@ -8,8 +8,10 @@ operands quantized along the reduction dim K (their last dim):
 - wgrad  dW = dy.T @ x : a = dy columnwise (N, M), b = x columnwise (K, M)
 
 so one op serves them all. It uses `torch._scaled_mm` where that applies (FP8 tensorwise or
-rowwise scales; on CPU in torch 2.13 it matches the fp32 emulation exactly), and otherwise an
-explicit emulation: dequantize both operands to fp32 and matmul (MX, NVFP4, FP8 blocks, INT).
+rowwise scales), and otherwise an explicit emulation: dequantize both operands to fp32 and matmul
+(MX, NVFP4, FP8 blocks, INT). On CPU (torch 2.13) `_scaled_mm` equals the emulation up to fp32
+summation order: bit for bit where the sums are exact, otherwise within fp32 accumulation error
+(some shapes sum in another order and differ by an ulp; measured in tests/test_gemm_ops.py).
 """
 
 from __future__ import annotations
@@ -54,13 +56,14 @@ def gemm_tn(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``a @ b.T`` of two 2-D quantized operands, both quantized along their last dim (K)."""
-    if _scaled_mm_applies(a_data, a_quantizer, b_data, b_quantizer, out_dtype):
-        return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
-    a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
-    b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)
-    # In eager mode a custom op's kernel runs under the caller's autocast, which would turn this
-    # fp32 emulation into a bf16 matmul (and differ from the compiled graph, which does not).
-    with torch.autocast(a.device.type, enabled=False):
+    # In eager mode a custom op's kernel runs under the caller's autocast, which would make the
+    # fp32 emulation's matmul (and CPU `_scaled_mm`, which matmuls inside) bf16, and differ from the
+    # compiled graph, whose kernels run without it.
+    with torch.autocast(a_data.device.type, enabled=False):
+        if _scaled_mm_applies(a_data, a_quantizer, b_data, b_quantizer, out_dtype):
+            return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
+        a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
+        b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)
         return (a @ b.t()).to(out_dtype)
 
 

@@ -1,0 +1,205 @@
+"""`tq.convert` and `tq.nn.conversion_plan`: which layers are swapped, what is kept, what is reported."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tqcompile as tq
+from tqcompile.testing.compile import assert_bitwise_equal
+from tqcompile.testing.numerics import sqnr
+
+RECIPE = tq.recipes.fp8_tensorwise()
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass that keeps nn.Linear's forward and adds an attribute and a method."""
+
+    def __init__(self, *args, gain: float = 2.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = gain
+
+    def describe(self) -> str:
+        return f"ScaledLinear(gain={self.gain})"
+
+
+class ClampedLinear(nn.Linear):
+    """Overrides forward without declaring Linear semantics: convert cannot know what it computes."""
+
+    def forward(self, x):
+        return super().forward(x).clamp(-1, 1)
+
+
+class ResidualLinear(nn.Linear):
+    """Overrides forward and declares that it computes through super().forward."""
+
+    tq_linear_semantics = True
+
+    def forward(self, x):
+        return super().forward(x) + x
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.scaled = ScaledLinear(128, 64)
+        self.clamped = ClampedLinear(64, 64)
+        self.residual = ResidualLinear(64, 64, bias=False)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 10)
+
+
+def _convert_quietly(model, recipe=RECIPE, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.convert(model, recipe, **kwargs)
+    return [w for w in caught if issubclass(w.category, tq.nn.ConversionWarning)]
+
+
+def test_linear_and_subclasses_are_converted():
+    model = Block()
+    converted_ids = {id(model.up), id(model.scaled)}
+    warned = _convert_quietly(model)
+    assert isinstance(model.up, tq.nn.Linear) and type(model.up) is tq.nn.Linear
+    assert id(model.up) in converted_ids, "converted in place, same object"
+    # A subclass becomes a class inheriting from both; its attributes and methods are kept.
+    assert isinstance(model.scaled, ScaledLinear) and isinstance(model.scaled, tq.nn.Linear)
+    assert model.scaled.gain == 2.0 and model.scaled.describe() == "ScaledLinear(gain=2.0)"
+    assert model.scaled.recipe == RECIPE
+    assert isinstance(model.residual, ResidualLinear) and isinstance(model.residual, tq.nn.Linear)
+    assert not isinstance(model.clamped, tq.nn.Linear) and type(model.clamped) is ClampedLinear
+    assert type(model.norm) is nn.LayerNorm
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    assert "left 1 layer(s) in high precision" in message
+    assert "clamped (ClampedLinear): ClampedLinear overrides forward" in message and "tq_linear_semantics = True" in message
+
+
+def test_converted_subclass_class_is_shared():
+    a, b = ScaledLinear(32, 32), ScaledLinear(32, 32)
+    tq.convert(a, RECIPE)
+    tq.convert(b, RECIPE)
+    assert type(a) is type(b) and type(a).__name__ == "QuantizedScaledLinear"
+
+
+def test_declared_subclass_runs_super_forward_quantized():
+    torch.manual_seed(0)
+    layer = ResidualLinear(64, 64)
+    x = torch.randn(32, 64)
+    high_precision = layer(x)
+    direct = tq.nn.Linear(64, 64, recipe=RECIPE)
+    direct.load_state_dict(layer.state_dict())
+    tq.convert(layer, RECIPE)
+    out = layer(x)
+    # The residual is added in high precision to a quantized GEMM: exactly the direct layer's output plus x.
+    assert_bitwise_equal(out, direct(x) + x)
+    # And it is quantized: the difference from high precision is a quantization-sized one. Two
+    # E4M3 operands give the GEMM an SQNR of 28.5 dB (derived in tests/test_linear_numerics.py; the
+    # uniform init of the weight changes the per-operand constant by 0.03 dB), so within the same
+    # 1.5 dB margin on both sides: not a high-precision result, not a broken one.
+    bias = layer.bias.detach()
+    gemm_sqnr = sqnr(high_precision - x - bias, out - x - bias)
+    assert 28.5 - 1.5 <= gemm_sqnr <= 28.5 + 1.5
+
+
+def test_filter_fn_gets_the_fqn():
+    model = nn.Sequential(Block(), nn.Sequential(nn.Linear(64, 64)))
+    seen = []
+
+    def keep(module, fqn):
+        seen.append(fqn)
+        return not fqn.endswith("head")
+
+    _convert_quietly(model, filter_fn=keep)
+    assert set(seen) == {"0.up", "0.scaled", "0.clamped", "0.residual", "0.head", "1.0"}
+    assert isinstance(model[0].up, tq.nn.Linear) and isinstance(model[1][0], tq.nn.Linear)
+    assert type(model[0].head) is nn.Linear
+
+
+def test_layers_the_recipe_cannot_serve_are_skipped_and_reported():
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 100), nn.Linear(100, 128))
+    with pytest.warns(tq.nn.ConversionWarning) as record:
+        tq.convert(model, tq.recipes.fp8_blockwise())
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "left 2 layer(s) in high precision" in message
+    assert "  2 (Linear): fprop_weight operand of shape (100, 256)" in message and "pad it with 28 zeros to 128" in message
+    assert "  3 (Linear): fprop_input operand of shape (128, 100)" in message
+    assert isinstance(model[0], tq.nn.Linear)
+    assert type(model[2]) is nn.Linear and type(model[3]) is nn.Linear
+
+
+def test_conversion_plan_reports_without_converting():
+    model = Block()
+    plan = {p.name: p for p in tq.nn.conversion_plan(model, RECIPE, filter_fn=lambda m, fqn: fqn != "head")}
+    assert set(plan) == {"up", "scaled", "clamped", "residual"}
+    assert (plan["up"].action, plan["up"].module_type, plan["up"].reason) == ("convert", "Linear", "")
+    assert plan["scaled"].action == "convert" and plan["residual"].action == "convert"
+    assert plan["clamped"].action == "skip" and "overrides forward" in plan["clamped"].reason
+    assert type(model.up) is nn.Linear, "conversion_plan does not convert"
+    _convert_quietly(model)
+    plan = {p.name: p.action for p in tq.nn.conversion_plan(model, RECIPE)}
+    assert plan == {"up": "already converted", "scaled": "already converted", "clamped": "skip", "residual": "already converted", "head": "already converted"}
+
+
+def test_convert_is_idempotent_with_the_same_recipe():
+    model = Block()
+    _convert_quietly(model)
+    classes = {name: type(m) for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    # An equal recipe, not the same object.
+    warned = _convert_quietly(model, tq.recipes.fp8_tensorwise())
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert_bitwise_equal(model.state_dict(), state)
+    assert len(warned) == 1 and "clamped" in str(warned[0].message)
+
+
+def test_convert_with_another_recipe_raises():
+    model = nn.Sequential(nn.Linear(64, 64))
+    tq.convert(model, RECIPE)
+    with pytest.raises(ValueError, match=r"layer '0' is already converted with recipe 'fp8_tensorwise'; converting it again with 'mxfp8' is not supported"):
+        tq.convert(model, tq.recipes.mxfp8())
+    assert model[0].recipe == RECIPE
+
+
+def test_convert_a_bare_linear_returns_it():
+    layer = nn.Linear(32, 16)
+    assert tq.convert(layer, RECIPE) is layer and isinstance(layer, tq.nn.Linear)
+
+
+def test_state_dicts_load_across_conversion():
+    torch.manual_seed(0)
+    reference = Block()
+    checkpoint = reference.state_dict()
+    model = Block()
+    _convert_quietly(model)
+    assert set(model.state_dict()) == set(checkpoint), "same keys as the unconverted model"
+    model.load_state_dict(checkpoint)
+    assert_bitwise_equal(model.state_dict(), checkpoint)
+    # tq.nn.Linear loads an nn.Linear checkpoint as is, delayed-scaling buffers included (non-persistent).
+    plain = nn.Linear(64, 32)
+    layer = tq.nn.Linear(64, 32, recipe=tq.recipes.fp8_delayed(8))
+    layer.load_state_dict(plain.state_dict())
+    assert_bitwise_equal(layer.state_dict(), plain.state_dict())
+
+
+def test_converted_model_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    tq.convert(model, tq.recipes.mxfp8())
+    x = torch.randn(32, 64)
+    model(x).pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_hooks_registered_before_conversion_still_fire():
+    layer = ScaledLinear(32, 16)
+    calls = []
+    layer.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    tq.convert(layer, RECIPE)
+    layer(torch.randn(4, 32))
+    assert calls == ["QuantizedScaledLinear"]
