@@ -208,10 +208,14 @@ def _mx_exponent(amax: torch.Tensor, q: MXQuantizer) -> torch.Tensor:
     if q.scale_rounding is ScaleRounding.FLOOR:
         mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
         e = (exp - 1) - q.format.emax
+        nonzero = amax > 0
     else:
-        mant, exp = torch.frexp(_div_scalar(amax, q.format.max_value))
+        ratio = _div_scalar(amax, q.format.max_value)
+        mant, exp = torch.frexp(ratio)
         e = torch.where(mant == 0.5, exp - 1, exp)
-    e = torch.where(amax > 0, e, torch.full_like(e, -127))
+        # A tiny amax whose ratio underflows to 0 gets the smallest scale, like an all-zero block.
+        nonzero = ratio > 0
+    e = torch.where(nonzero, e, torch.full_like(e, -127))
     return e.clamp(-127, 127)
 
 

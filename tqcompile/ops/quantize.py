@@ -50,3 +50,19 @@ def dequantize(
 @dequantize.register_fake
 def _dequantize_fake(data, scale_inv, amax, quantizer, dtype):
     return data.new_empty(quantizer.logical_shape(data.shape), dtype=dtype)
+
+
+# --- CUDA kernels: Triton (tqcompile.kernels.triton), bit-exact with the reference -------------
+@quantize.register_kernel("cuda")
+def _quantize_cuda(x, quantizer, amax, seed):
+    try:
+        # Imported on the first CUDA call only: CPU-only use never imports Triton.
+        from tqcompile.kernels.triton import quantize as triton_quantize
+    except ImportError:  # no Triton on this platform
+        return reference.quantize(x, quantizer, amax, seed)
+    if triton_quantize.supports(x, quantizer, amax, seed):
+        return triton_quantize.quantize(x, quantizer, amax, seed)
+    return reference.quantize(x, quantizer, amax, seed)
+
+
+# --- end of the CUDA kernels -------------------------------------------------------------------
