@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from tqcompile import ops
 from tqcompile.distributed.groups import resolve_group
@@ -132,7 +133,8 @@ class QuantizedTensor(torch.Tensor):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is None:
-            qt = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, QuantizedTensor))
+            # tree_leaves: list arguments (torch.cat, torch.stack) hold the QuantizedTensor one level down.
+            qt = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, QuantizedTensor))
             raise NotImplementedError(
                 f"QuantizedTensor does not support {func} (its {qt.quantizer!r} payload is not a {qt.orig_dtype} "
                 f"tensor). Call .dequantize() first and apply {func.__name__} to the high-precision result."

@@ -5,7 +5,8 @@ Conventions, used everywhere:
 - `scale` multiplies high precision into the format; `scale_inv = 1 / scale` dequantizes.
 - Everything is computed in fp32. Amaxes ignore non-finite values (NaN, ±Inf), so scales are
   always finite; ±Inf saturates to ±max; NaN stays NaN in FP8 payloads and becomes 0 in formats
-  with no NaN encoding (E2M1, INT8, INT4).
+  with no NaN encoding (E2M1, INT8, INT4). Exception: an NVFP4 block whose finite amax gives a
+  zero E4M3 block scale has nothing to scale by, so all its elements (±Inf included) encode 0.
 - Round to nearest, ties to even, unless a quantizer asks for stochastic rounding.
 """
 
@@ -120,16 +121,21 @@ def _hadamard(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor
 _E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+def _e2m1_sign(v: torch.Tensor) -> torch.Tensor:
+    """Bit 3 from v's IEEE sign bit (so -0.0 stays -0 and quantize(dequantize(q)) == q); NaN has none."""
+    return (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
+
+
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> E2M1 code (uint8, sign in bit 3): nearest, ties to even mantissa, saturating at 6.
-    NaN encodes as 0."""
+    NaN encodes as 0; the sign is kept for values that round to zero (-0.01 -> -0)."""
     mag = v.abs()
     code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for i, t in enumerate(_E2M1_THRESHOLDS):
         # A tie goes to the even code: up from an odd code i, down from an even one.
         up = (mag >= t) if i % 2 == 1 else (mag > t)
         code += up.to(torch.uint8)
-    return code | ((v < 0).to(torch.uint8) << 3)
+    return code | _e2m1_sign(v)
 
 
 def _e2m1_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -142,7 +148,7 @@ def _e2m1_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     gap = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
     up = u.reshape(v.shape) < (mag - lo) / gap
     code = torch.where(up, hi_code, lo_code).to(torch.uint8)
-    return code | ((v < 0).to(torch.uint8) << 3)
+    return code | _e2m1_sign(v)
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:

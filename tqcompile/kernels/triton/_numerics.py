@@ -123,9 +123,16 @@ def fp8_code(v, FMT_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def e2m1_sign(v):
+    """`reference._e2m1_sign`: bit 3 from v's sign bit, none for NaN."""
+    negative = (v.to(tl.int32, bitcast=True) < 0) & (v == v)
+    return negative.to(tl.int32) << 3
+
+
+@triton.jit
 def e2m1_code(v):
     """`reference.e2m1_encode`: nearest E2M1 code, ties to the even code, saturating; NaN -> 0;
-    the sign bit is set for v < 0 only (so -0.0 encodes as +0)."""
+    the sign bit comes from v's IEEE sign bit except for NaN (so -0.0 stays -0)."""
     mag = tl.abs(v)
     code = (mag > 0.25).to(tl.int32)
     code += (mag >= 0.75).to(tl.int32)
@@ -134,7 +141,7 @@ def e2m1_code(v):
     code += (mag > 2.5).to(tl.int32)
     code += (mag >= 3.5).to(tl.int32)
     code += (mag > 5.0).to(tl.int32)
-    return code | ((v < 0).to(tl.int32) << 3)
+    return code | e2m1_sign(v)
 
 
 @triton.jit

@@ -261,7 +261,7 @@ def _e2m1_stochastic_code(v, u):
     gap = tl.where(hi > lo, hi - lo, 1.0)
     up = u < nx.div_rn(mag - lo, gap)
     code = tl.where(up, hi_code, lo_code)
-    return code | ((v < 0).to(tl.int32) << 3)
+    return code | nx.e2m1_sign(v)
 
 
 @triton.jit
