@@ -23,25 +23,7 @@ G, F = tq.Granularity, tq.Format
 gemm_tn = torch.ops.tqcompile.gemm_tn.default
 dequantize_op = torch.ops.tqcompile.dequantize.default
 
-_FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
-
-
-@pytest.fixture
-def float8_comparable(monkeypatch):
-    """Let opcheck's schema check compare float8 inputs before/after the op.
-
-    SchemaCheckMode (torch 2.13) checks that an op left its inputs unchanged with
-    `torch.allclose`, which has no CPU kernel for float8 dtypes (pytorch/pytorch#135998). Comparing
-    their bits instead is exact, i.e. a stricter check than allclose, not a looser one.
-    """
-    allclose = torch.allclose
-
-    def allclose_bits(a, b, *args, **kwargs):
-        if a.dtype in _FLOAT8_DTYPES or b.dtype in _FLOAT8_DTYPES:
-            return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", allclose_bits)
+# opcheck on float8 operands uses the `float8_comparable` fixture from tests/conftest.py.
 
 
 def _operand(q: tq.Quantizer, rows: int, k: int, seed: int):
