@@ -84,7 +84,10 @@ class _QuantizedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             w_dtype = saved_w.dtype
             if r.wgrad_grad is None:
-                dw = (dy2.t() @ saved_x.to(dy2.dtype)).to(w_dtype)
+                # Eager runs this backward outside the forward's autocast, while AOTAutograd traces it
+                # inside: without this, compiled training would do this matmul in bf16, eager in fp32.
+                with torch.autocast(dy2.device.type, enabled=False):
+                    dw = (dy2.t() @ saved_x.to(dy2.dtype)).to(w_dtype)
             else:
                 qdy_t = qdy if dy_shared else quantize(dy2, r.wgrad_grad, amax_group=a.amax_group, rowwise=False, columnwise=True)
                 dw = qgemm(qdy_t, True, saved_x, True, w_dtype)

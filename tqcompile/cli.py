@@ -1,0 +1,140 @@
+"""The `tqcompile` command.
+
+    tqcompile demo [--recipes fp8_tensorwise,mxfp8,nvfp4 | all] [--steps N] [--device cpu|cuda|auto]
+                   [--moe] [--backend aot_eager|inductor] [--plot PATH | --plot none] [--threads T] [--seed S]
+
+`demo` trains a small byte-level GPT in bf16 and with each recipe, compiled with
+`torch.compile(fullgraph=True)`, and prints a table of losses, step times, graph breaks and
+recompiles (see `tqcompile.demo`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _recipe_list(value: str) -> list[str]:
+    from tqcompile.recipes import RECIPES
+
+    if value.strip() == "all":
+        return list(RECIPES)
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown recipe(s) {', '.join(map(repr, unknown)) or repr(value)}; allowed: {', '.join(RECIPES)} "
+            "(comma-separated), or all"
+        )
+    return names
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{value!r} is not allowed; allowed: an integer >= 2")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `tqcompile` command."""
+    from tqcompile.demo import DEFAULT_RECIPES, DemoConfig
+
+    defaults = DemoConfig()
+    parser = argparse.ArgumentParser(prog="tqcompile", description="tqcompile: quantization for torch.compile(fullgraph=True).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="train a small GPT in bf16 and per recipe, compiled, and compare",
+        description="Train a small byte-level GPT once in bf16 and once per recipe, each compiled with "
+        "torch.compile(fullgraph=True), and print losses, step times, graph breaks and recompiles.",
+    )
+    demo.add_argument(
+        "--recipes",
+        type=_recipe_list,
+        default=list(DEFAULT_RECIPES),
+        help=f"comma-separated recipe names, or 'all' (default: {','.join(DEFAULT_RECIPES)})",
+    )
+    demo.add_argument("--steps", type=_positive_int, default=defaults.steps, help=f"training steps per run (default: {defaults.steps})")
+    demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="auto: cuda if available (default: cpu)")
+    demo.add_argument("--moe", action="store_true", help="use an expert-choice MoE MLP (4 experts) instead of the dense MLP")
+    demo.add_argument(
+        "--backend", choices=("aot_eager", "inductor"), default=None, help="torch.compile backend (default: aot_eager on cpu, inductor on cuda)"
+    )
+    demo.add_argument(
+        "--plot", default="tqcompile_demo_loss.png", help="loss-curve PNG to write (needs matplotlib); 'none' to skip (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default on cpu: 1; the demo's tensors are small, and on a busy machine OpenMP's "
+        "waiting threads can make 2-thread steps many times slower than 1-thread ones)",
+    )
+    demo.add_argument("--seed", type=int, default=defaults.seed, help=f"seed for the initial weights and the data order (default: {defaults.seed})")
+    return parser
+
+
+def _resolve_device(choice: str, parser: argparse.ArgumentParser) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available; use --device cpu or auto")
+    return choice
+
+
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    device = _resolve_device(args.device, parser)
+    threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
+    if threads is not None and threads < 1:
+        parser.error(f"--threads {threads} is not allowed; allowed: an integer >= 1")
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(args, device)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args: argparse.Namespace, device: str) -> int:
+    from tqcompile.demo import DemoConfig, format_table, plot_losses, run_demo
+
+    backend = args.backend or ("inductor" if device == "cuda" else "aot_eager")
+    cfg = DemoConfig(
+        steps=args.steps, n_experts=4 if args.moe else 0, seed=args.seed, device=device, backend=backend, log_every=max(1, args.steps // 6)
+    )
+    print(f"tqcompile demo: bf16 + {', '.join(args.recipes)} on {device}, {cfg.steps} steps each, backend {backend}", file=sys.stderr, flush=True)
+    results = run_demo(args.recipes, cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(results, cfg))
+    if args.plot.lower() != "none":
+        print(plot_losses(results, args.plot))
+    return 1 if any(r.error is not None and r.graph_breaks for r in results) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `tqcompile` command; returns the exit status.
+
+    Example:
+        >>> main(["demo", "--recipes", "mxfp8", "--steps", "20", "--plot", "none"])
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args, parser)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""`tqcompile demo`: train the same small GPT once in bf16 and once per recipe, compiled with
+`fullgraph=True`, and compare losses, step times and what the compiler did.
+
+Every run starts from the same initial weights (the bf16 model's, loaded into each converted
+model), sees the same batches in the same order, and reseeds torch's global generator (NVFP4's
+stochastic rounding draws its seeds there). What differs between runs is only the recipe.
+
+Precision: parameters and optimizer state are fp32 in every run and the model runs under
+`torch.autocast(dtype=torch.bfloat16)`. The bf16 baseline is exactly that; a recipe run
+additionally runs the GEMMs of the blocks' linears (attention, MLP, MoE experts) in the recipe's
+formats, while the embeddings, norms, attention itself, router and lm_head stay as in the baseline.
+
+What is compiled: the model's forward and loss, `torch.compile(model, fullgraph=True)`; its
+backward is compiled with it by AOTAutograd. The AdamW step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+import tqcompile as tq
+from tqcompile.models.gpt import GPT, GPTConfig, quantize_model
+from tqcompile.testing.compile import CompileCounter
+
+__all__ = ["DemoConfig", "RunResult", "load_corpus", "batch_offsets", "train", "run_demo", "format_table", "plot_losses"]
+
+BASELINE = "bf16"
+DEFAULT_RECIPES = ("fp8_tensorwise", "mxfp8", "nvfp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """One demo run's settings (shared by every recipe in it)."""
+
+    steps: int = 150
+    batch_size: int = 2
+    seq_len: int = 128
+    n_layer: int = 2
+    d_model: int = 128
+    mlp_hidden: int = 512
+    n_experts: int = 0
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    seed: int = 0
+    device: str = "cpu"
+    backend: str | None = "aot_eager"  # None: run eagerly, without torch.compile (the tests' fast path)
+    log_every: int = 25
+
+    def __post_init__(self) -> None:
+        tokens = self.batch_size * self.seq_len
+        if tokens % 128:
+            raise ValueError(
+                f"DemoConfig: batch_size * seq_len = {tokens} tokens per step; allowed: a multiple of 128 "
+                "(the 1x128 blocks of fp8_blockwise run along the token dim in wgrad)"
+            )
+        if self.steps < 2:
+            raise ValueError(f"DemoConfig: steps={self.steps}; allowed: >= 2 (the first step compiles, later ones are timed)")
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(
+            seq_len=self.seq_len, n_layer=self.n_layer, d_model=self.d_model, mlp_hidden=self.mlp_hidden, n_experts=self.n_experts
+        )
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one training run (bf16 or one recipe) produced."""
+
+    name: str
+    losses: list[float] = dataclasses.field(default_factory=list)
+    step_times_s: list[float] = dataclasses.field(default_factory=list)
+    graph_breaks: int = 0
+    graphs: int = 0
+    recompiles: int = 0
+    error: str | None = None  # why the run could not happen (e.g. a recipe the model cannot use)
+
+    def final_loss(self) -> float:
+        """Mean of the last tenth of the losses (at least 5 steps): smoother than the last step."""
+        tail = self.losses[-max(5, len(self.losses) // 10) :]
+        return sum(tail) / len(tail)
+
+    def step_ms(self) -> float:
+        """Median step time after the first step (which compiles): robust to a busy machine."""
+        return 1000 * statistics.median(self.step_times_s[1:])
+
+    def first_step_s(self) -> float:
+        return self.step_times_s[0]
+
+
+def load_corpus() -> torch.Tensor:
+    """The packaged training text (`tqcompile/data/corpus.txt`) as a 1-D uint8 tensor of bytes."""
+    raw = importlib.resources.files("tqcompile").joinpath("data/corpus.txt").read_bytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def batch_offsets(n_bytes: int, cfg: DemoConfig) -> torch.Tensor:
+    """(steps, batch_size) start offsets of each training window, from `cfg.seed` only, so every
+    run sees the same data in the same order."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    return torch.randint(0, n_bytes - cfg.seq_len - 1, (cfg.steps, cfg.batch_size), generator=g)
+
+
+def _batch(data: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = offsets[:, None] + torch.arange(seq_len + 1)
+    window = data[idx].long()
+    return window[:, :-1], window[:, 1:]
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(
+    recipe: tq.Recipe | None,
+    cfg: DemoConfig,
+    init_state: dict[str, torch.Tensor],
+    data: torch.Tensor,
+    offsets: torch.Tensor,
+    progress: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Train a fresh GPT from `init_state` with `recipe` (None: the bf16 baseline), compiled."""
+    name = BASELINE if recipe is None else recipe.name
+    result = RunResult(name)
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config())
+    model.load_state_dict(init_state)
+    if recipe is not None:
+        try:
+            quantize_model(model, recipe)
+        except ValueError as e:
+            result.error = str(e)
+            return result
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # Linear warmup, then cosine decay to a tenth: without warmup, AdamW's first steps at full lr
+    # can spike the loss of a freshly initialised model.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, cfg.steps))
+
+    counter = CompileCounter("eager")  # counts nothing when nothing is compiled
+    compiled = model
+    if cfg.backend is not None:
+        # Dynamo's caches and counters are process-global: reset so that each run compiles afresh
+        # and its counts are its own.
+        torch.compiler.reset()
+        counter = CompileCounter(cfg.backend)
+        compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for step, offs in enumerate(offsets):
+        x, y = (t.to(device) for t in _batch(data, offs, cfg.seq_len))
+        _sync(device)
+        start = time.perf_counter()
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = compiled(x, y)
+        except torch._dynamo.exc.Unsupported as e:  # fullgraph=True turns a graph break into this error
+            result.error = f"graph break: {str(e).splitlines()[0]}"
+            result.graph_breaks = max(1, counter.graph_breaks)
+            return result
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # also waits for the device, so the time covers the whole step
+        result.step_times_s.append(time.perf_counter() - start)
+        result.losses.append(loss_value)
+        if progress is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            progress(f"[{name:>20}] step {step:4d}/{cfg.steps}  loss {loss_value:.4f}  {1000 * result.step_times_s[-1]:8.1f} ms")
+        if not math.isfinite(loss_value):
+            result.error = f"loss became {loss_value} at step {step}"
+            break
+    result.graph_breaks, result.graphs, result.recompiles = counter.graph_breaks, counter.frame_count, counter.recompiles
+    return result
+
+
+def run_demo(recipes: Sequence[str], cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> list[RunResult]:
+    """The bf16 baseline, then one run per recipe name in `recipes`; results in that order."""
+    recipe_objs = [tq.recipes.get(name) for name in recipes]  # fail on a bad name before training anything
+    data = load_corpus()
+    offsets = batch_offsets(data.numel(), cfg)
+    torch.manual_seed(cfg.seed)
+    init_state = {k: v.clone() for k, v in GPT(cfg.model_config()).state_dict().items()}
+    return [train(r, cfg, init_state, data, offsets, progress) for r in (None, *recipe_objs)]
+
+
+def _fmt_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def format_table(results: Sequence[RunResult], cfg: DemoConfig) -> str:
+    """The comparison table, with the setting it was measured in (model, device, torch version)."""
+    mc = cfg.model_config()
+    mlp = f"expert-choice MoE, {mc.n_experts} experts, capacity factor {mc.capacity_factor}" if mc.n_experts else "dense MLP"
+    n_threads = torch.get_num_threads()
+    threads = f", {n_threads} thread{'s' if n_threads != 1 else ''}" if cfg.device == "cpu" else ""
+    device_name = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else "cpu"
+    head = [
+        f"model: GPT {mc.n_layer} layers, d_model {mc.d_model}, {mlp}, byte vocab {mc.vocab_size}; "
+        f"{cfg.batch_size}x{cfg.seq_len} tokens/step, {cfg.steps} steps, AdamW lr {cfg.lr} (warmup {cfg.warmup_steps}, cosine), seed {cfg.seed}",
+        f"device: {device_name}{threads}; torch {torch.__version__}; torch.compile(fullgraph=True, backend={cfg.backend!r})",
+        "bf16 = fp32 weights + bf16 autocast; recipes quantize the blocks' linears (lm_head and router stay bf16 autocast)",
+        "",
+    ]
+    base = next((r for r in results if r.name == BASELINE and r.error is None and r.losses), None)
+    header = ("recipe", "final loss", "vs bf16", "step ms", "1st step s", "graph breaks", "recompiles")
+    rows, notes = [], []
+    for r in results:
+        if r.error is not None:
+            rows.append((r.name, "-", "-", "-", "-", str(r.graph_breaks), "-"))
+            notes.append(f"{r.name}: not run to the end: {r.error}")
+            continue
+        gap = "-" if base is None or r is base else f"{r.final_loss() - base.final_loss():+.4f}"
+        rows.append(
+            (r.name, f"{r.final_loss():.4f}", gap, f"{r.step_ms():.1f}", f"{r.first_step_s():.1f}", str(r.graph_breaks), str(r.recompiles))
+        )
+    foot = [
+        "",
+        f"final loss: mean of the last {max(5, cfg.steps // 10)} steps; step ms: median after the first step; "
+        "1st step: includes compiling forward and backward",
+    ]
+    return "\n".join(head + [_fmt_table(header, rows)] + foot + notes)
+
+
+def plot_losses(results: Sequence[RunResult], path: str) -> str:
+    """Write the loss curves to `path` (PNG) and return a one-line note of what happened.
+
+    Needs matplotlib (`pip install tqcompile[plot]`); without it, nothing is written and the
+    note says so."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"loss plot skipped: matplotlib is not installed (pip install matplotlib), so {path} was not written"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        if r.losses:
+            ax.plot(range(len(r.losses)), r.losses, label=r.name, linewidth=1.8 if r.name == BASELINE else 1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title("tqcompile demo: loss per recipe")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"loss plot written to {path}"
