@@ -1,11 +1,12 @@
 """Full training steps of the demo GPT under `torch.compile(fullgraph=True)`, for every recipe.
 
-A training step here is what `tqcompile demo` runs: the compiled model's forward and loss under
-bf16 autocast, the AOTAutograd-compiled backward, an eager AdamW step. For each recipe the test
-checks: zero graph breaks, one graph and no recompile over all steps (the optimizer changing the
-weights in place must not invalidate a guard), a loss that goes down when fitting one fixed batch,
-and losses equal to the same steps run eagerly (aot_eager: bit for bit; inductor: the first loss,
-within bf16 rounding).
+`test_training_step_compiles_fullgraph`: the compiled model's forward and loss under bf16
+autocast with its AOTAutograd-compiled backward, and an eager AdamW step. For each recipe: zero
+graph breaks, one graph and no recompile over all steps (the optimizer changing the weights in
+place must not invalidate a guard), a loss that goes down when fitting one fixed batch, and
+losses equal to the same steps run eagerly (aot_eager: bit for bit; inductor: the first loss,
+within bf16 rounding). `test_whole_training_step_fullgraph_with_compiled_optimizer`: the same with
+the AdamW step compiled too (`tq.optim.compile_optimizer_step`), as `tqcompile demo` runs it.
 
 Cost on a 2-core CPU: one aot_eager compile per recipe of a 1-layer model on 128 tokens, plus
 two inductor compiles (the code inductor generates around the custom ops) and one MoE compile.
@@ -110,3 +111,30 @@ def test_moe_training_step_compiles_fullgraph() -> None:
     assert isinstance(model.blocks[0].mlp.w_in, tq.nn.GroupedLinear)
     assert not isinstance(model.blocks[0].mlp.router, tq.nn.Linear)
     _check_compiled_training(tq.recipes.mxfp8(), "aot_eager", cfg)
+
+
+@pytest.mark.parametrize("name", list(tq.recipes.RECIPES))
+def test_whole_training_step_fullgraph_with_compiled_optimizer(name: str) -> None:
+    """Forward, backward *and* the AdamW step under `fullgraph=True` (the step through
+    `tq.optim.compile_optimizer_step`, since torch.optim's own wrapper breaks the graph on
+    purpose): two graphs, no break, no recompile over all steps, and the loss goes down.
+    Losses are not compared with eager here: AOTAutograd decomposes AdamW's foreach ops, which
+    rounds differently from eager's fused kernels."""
+    model = _model(TINY, tq.recipes.get(name))
+    counter = CompileCounter("aot_eager")
+    forward = torch.compile(model, backend=counter, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3))
+    step = tq.optim.compile_optimizer_step(opt, backend=counter, fullgraph=True)
+    x, y = _data(TINY)
+    torch.manual_seed(2)
+    losses = []
+    for _ in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(x, y)
+        loss.backward()
+        step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert counter.graph_breaks == 0, counter.break_reasons
+    assert counter.frame_count == 2 and counter.recompiles == 0, counter
+    assert losses[-1] < losses[0] - 0.1, losses

@@ -2,7 +2,7 @@
 
 import torch as _torch
 
-from tqcompile import nn, recipes  # noqa: E402  (nn and recipes import the names above)
+from tqcompile import nn, optim, recipes  # noqa: E402  (these import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.formats import Format
 from tqcompile.nn.convert import convert
@@ -35,6 +35,7 @@ __all__ = [
     "Recipe",
     "recipes",
     "nn",
+    "optim",
     "convert",
 ]
 
