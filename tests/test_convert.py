@@ -203,3 +203,28 @@ def test_hooks_registered_before_conversion_still_fire():
     tq.convert(layer, RECIPE)
     layer(torch.randn(4, 32))
     assert calls == ["QuantizedScaledLinear"]
+
+
+def test_registered_converter_reports_unsupported_modules_before_converting_any():
+    """A converter's `unsupported_reason` is asked during planning: refused modules are skipped and
+    reported, and nothing is half converted because a converter raised midway."""
+
+    class Custom(nn.Module):
+        def __init__(self, ok: bool):
+            super().__init__()
+            self.ok = ok
+            self.converted_with = None
+
+    calls = []
+
+    @tq.nn.register_converter(Custom, unsupported_reason=lambda m, r: None if m.ok else "this one is not ok")
+    def _convert(module, recipe):
+        calls.append(module)
+        module.converted_with = recipe.name
+
+    model = nn.Sequential(Custom(ok=True), Custom(ok=False))
+    plan = tq.nn.conversion_plan(model, tq.recipes.mxfp8())
+    assert [(p.name, p.action, p.reason) for p in plan] == [("0", "convert", ""), ("1", "skip", "this one is not ok")]
+    with pytest.warns(tq.nn.ConversionWarning, match=r"1 \(Custom\): this one is not ok"):
+        tq.convert(model, tq.recipes.mxfp8())
+    assert calls == [model[0]] and model[0].converted_with == "mxfp8" and model[1].converted_with is None

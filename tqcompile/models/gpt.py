@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tqcompile as tq
+from tqcompile.nn.linear import grouped_unsupported_reason
 
 __all__ = ["GPTConfig", "GPT", "Experts", "MoE", "quantize_model", "keep_high_precision"]
 
@@ -64,13 +65,12 @@ class Experts(nn.Module):
         return torch.einsum("eti,eoi->eto", x, self.weight.to(x.dtype))
 
 
-@tq.nn.register_converter(Experts)
+def _experts_unsupported_reason(module: Experts, recipe: tq.Recipe) -> str | None:
+    return grouped_unsupported_reason(recipe, module.in_features, module.out_features)
+
+
+@tq.nn.register_converter(Experts, unsupported_reason=_experts_unsupported_reason)
 def _convert_experts(module: Experts, recipe: tq.Recipe) -> None:
-    reason = recipe.unsupported_reason(module.in_features, module.out_features)
-    if recipe.amax_history_len:
-        reason = "delayed scaling keeps one amax history per layer, which per-expert scales cannot use"
-    if reason:
-        raise ValueError(f"Experts({module.in_features} -> {module.out_features}): recipe {recipe.name!r} cannot serve MoE experts: {reason}")
     module.__class__ = tq.nn.GroupedLinear
     module._init_quantized(recipe)
 
@@ -184,5 +184,11 @@ def keep_high_precision(module: nn.Module, fqn: str) -> bool:
 
 
 def quantize_model(model: GPT, recipe: tq.Recipe) -> GPT:
-    """Convert `model` in place to `recipe` (blocks only; see the module docstring) and return it."""
+    """Convert `model` in place to `recipe` (blocks only; see the module docstring) and return it.
+
+    Raises ValueError, before changing anything, if the recipe cannot serve every layer it should
+    quantize: a demo run is only meaningful with all of them in the recipe's formats."""
+    skipped = [p for p in tq.nn.conversion_plan(model, recipe, filter_fn=keep_high_precision) if p.action == "skip"]
+    if skipped:
+        raise ValueError(f"recipe {recipe.name!r} cannot serve: " + "; ".join(f"{p.name}: {p.reason}" for p in skipped))
     return tq.convert(model, recipe, filter_fn=keep_high_precision)

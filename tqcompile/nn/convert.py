@@ -23,7 +23,9 @@ from tqcompile.recipes import Recipe
 __all__ = ["convert", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]
 
 Converter = Callable[[nn.Module, Recipe], None]
-_REGISTRY: dict[type, Converter] = {}
+ReasonFn = Callable[[nn.Module, Recipe], "str | None"]
+# class -> (converter, why it cannot serve a module; None: it always can)
+_REGISTRY: dict[type, tuple[Converter, ReasonFn | None]] = {}
 _SUBCLASS_CACHE: dict[type, type] = {}
 
 
@@ -39,17 +41,22 @@ class PlannedConversion:
     reason: str = ""
 
 
-def register_converter(cls: type) -> Callable[[Converter], Converter]:
-    """Register `fn(module, recipe)` to convert modules of `cls` (and its subclasses) in place."""
+def register_converter(cls: type, *, unsupported_reason: ReasonFn | None = None) -> Callable[[Converter], Converter]:
+    """Register `fn(module, recipe)` to convert modules of `cls` (and its subclasses) in place.
+
+    `unsupported_reason(module, recipe)` returns why a module cannot be converted (it is then
+    skipped and reported) or None; `convert` asks it for every module before converting any, so a
+    model is never left half converted.
+    """
 
     def deco(fn: Converter) -> Converter:
-        _REGISTRY[cls] = fn
+        _REGISTRY[cls] = (fn, unsupported_reason)
         return fn
 
     return deco
 
 
-def _converter_for(module: nn.Module) -> Converter | None:
+def _entry_for(module: nn.Module) -> tuple[Converter, ReasonFn | None] | None:
     for cls in type(module).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
@@ -64,22 +71,20 @@ def _quantized_class(cls: type) -> type:
     return _SUBCLASS_CACHE[cls]
 
 
-@register_converter(nn.Linear)
+def _linear_unsupported_reason(module: nn.Module, recipe: Recipe) -> str | None:
+    cls = type(module)
+    if cls.forward is not nn.Linear.forward and not getattr(cls, "tq_linear_semantics", False):
+        return (
+            f"{cls.__name__} overrides forward; if it computes through super().forward(...), set the class attribute "
+            "tq_linear_semantics = True to convert it"
+        )
+    return recipe.unsupported_reason(module.in_features, module.out_features)
+
+
+@register_converter(nn.Linear, unsupported_reason=_linear_unsupported_reason)
 def _convert_linear(module: nn.Module, recipe: Recipe) -> None:
     module.__class__ = _quantized_class(type(module))
     module._init_quantized(recipe)
-
-
-def _skip_reason(module: nn.Module, recipe: Recipe) -> str:
-    cls = type(module)
-    if isinstance(module, nn.Linear):
-        if cls.forward is not nn.Linear.forward and not getattr(cls, "tq_linear_semantics", False):
-            return (
-                f"{cls.__name__} overrides forward; if it computes through super().forward(...), set the class attribute "
-                "tq_linear_semantics = True to convert it"
-            )
-        return recipe.unsupported_reason(module.in_features, module.out_features) or ""
-    return ""
 
 
 def conversion_plan(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None) -> list[PlannedConversion]:
@@ -94,9 +99,10 @@ def conversion_plan(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn
                 )
             plan.append(PlannedConversion(name, type(module).__name__, "already converted"))
             continue
-        if _converter_for(module) is None or (filter_fn is not None and not filter_fn(module, name)):
+        entry = _entry_for(module)
+        if entry is None or (filter_fn is not None and not filter_fn(module, name)):
             continue
-        reason = _skip_reason(module, recipe)
+        reason = (entry[1](module, recipe) if entry[1] is not None else None) or ""
         plan.append(PlannedConversion(name, type(module).__name__, "skip" if reason else "convert", reason))
     return plan
 
@@ -118,7 +124,7 @@ def convert(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module,
     modules = dict(model.named_modules())
     for p in plan:
         if p.action == "convert":
-            _converter_for(modules[p.name])(modules[p.name], recipe)
+            _entry_for(modules[p.name])[0](modules[p.name], recipe)
     skipped = [p for p in plan if p.action == "skip"]
     if skipped:
         lines = "\n".join(f"  {p.name or '<root>'} ({p.module_type}): {p.reason}" for p in skipped)

@@ -11,7 +11,7 @@ from tqcompile.distributed.groups import group_name_of
 from tqcompile.nn.functional import linear
 from tqcompile.recipes import Recipe
 
-__all__ = ["Linear", "GroupedLinear"]
+__all__ = ["Linear", "GroupedLinear", "grouped_unsupported_reason"]
 
 _HISTORIES = ("amax_history_input", "amax_history_weight", "amax_history_grad")
 
@@ -22,6 +22,13 @@ def _check_recipe(recipe: Recipe, in_features: int, out_features: int, what: str
     reason = recipe.unsupported_reason(in_features, out_features)
     if reason:
         raise ValueError(f"{what}: recipe {recipe.name!r} cannot serve in_features={in_features}, out_features={out_features}: {reason}")
+
+
+def grouped_unsupported_reason(recipe: Recipe, in_features: int, out_features: int) -> str | None:
+    """Why `recipe` cannot serve a GroupedLinear of these sizes (None if it can)."""
+    if recipe.amax_history_len:
+        return "it uses delayed scaling, whose one amax history per layer per-expert scales cannot use; use a current-scaling recipe"
+    return recipe.unsupported_reason(in_features, out_features)
 
 
 class _Quantized:
@@ -82,8 +89,9 @@ class GroupedLinear(_Quantized, nn.Module):
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"GroupedLinear: num_experts={num_experts!r}; allowed: an int >= 1")
         _check_recipe(recipe, in_features, out_features, "tq.nn.GroupedLinear")
-        if recipe.amax_history_len:
-            raise ValueError(f"GroupedLinear: recipe {recipe.name!r} uses delayed scaling, which one history per layer cannot serve for per-expert scales; use a current-scaling recipe")
+        reason = grouped_unsupported_reason(recipe, in_features, out_features)
+        if reason:
+            raise ValueError(f"tq.nn.GroupedLinear: recipe {recipe.name!r} cannot serve {num_experts} experts {in_features} -> {out_features}: {reason}")
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, device=device, dtype=dtype)) if bias else None
