@@ -198,8 +198,7 @@ def _transpose(func, args, kwargs):
         raise NotImplementedError(f"QuantizedTensor supports t()/transpose(0, 1) of 2-D tensors only; got {func} on shape {tuple(self.shape)}")
     inner = self._inner()
     swapped = {b: inner[a] for a, b in zip(_ROWWISE + _COLUMNWISE, _COLUMNWISE + _ROWWISE) if a in inner}
-    out = self._with(shape=(self.shape[1], self.shape[0]), **swapped)
-    return out
+    return self._with(shape=(self.shape[1], self.shape[0]), **swapped)
 
 
 @_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -217,8 +216,7 @@ def _view(func, args, kwargs):
     if "_data" in inner:
         inner["_data"] = inner["_data"].view(q.payload_shape(new_shape))
         inner["_scale_inv"] = inner["_scale_inv"].reshape(q.scale_shape(new_shape))
-    out = self._with(shape=new_shape, **inner)
-    return out
+    return self._with(shape=new_shape, **inner)
 
 
 def _slice_payload(data, scale, q, dim, start, end, length):
@@ -262,8 +260,7 @@ def _slice(func, args, kwargs):
             inner_rows = self.numel() // (self.shape[0] * self.shape[-1]) if self.numel() else 0
             dim_t, lo, hi, length = 1, start * inner_rows, end * inner_rows, self.shape[0] * inner_rows
         inner["_data_t"], inner["_scale_inv_t"] = _slice_payload(inner["_data_t"], inner["_scale_inv_t"], self.quantizer, dim_t, lo, hi, length)
-    out = self._with(shape=(end - start,) + tuple(self.shape[1:]), **inner)
-    return out
+    return self._with(shape=(end - start,) + tuple(self.shape[1:]), **inner)
 
 
 @_implements(aten.split.Tensor, aten.split_with_sizes.default)
