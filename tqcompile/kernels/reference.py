@@ -27,7 +27,7 @@ from tqcompile.quantizers import (
     ScaleRounding,
 )
 
-__all__ = ["tensor_amax", "quantize", "dequantize", "e2m1_encode", "e2m1_decode", "hadamard_matrix", "uniform_hash"]
+__all__ = ["tensor_amax", "unit_amax", "quantize", "dequantize", "e2m1_encode", "e2m1_decode", "hadamard_matrix", "uniform_hash"]
 
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6
 _MASK32 = 0xFFFFFFFF
@@ -48,7 +48,7 @@ def _unit_amax(a: torch.Tensor, layout: tuple[Granularity, int, int]) -> torch.T
         return a.amax() if a.numel() else a.new_zeros(())
     if gran is Granularity.ROWWISE:
         if a.shape[axis] == 0:
-            return a.new_zeros(a.shape[:axis % a.dim()] + (1,) + a.shape[axis % a.dim() + 1 :])
+            return a.new_zeros(a.shape[: axis % a.dim()] + (1,) + a.shape[axis % a.dim() + 1 :])
         return a.amax(dim=axis, keepdim=True)
     if gran is Granularity.BLOCKWISE_1D:
         blocks = a.unflatten(-1, (a.shape[-1] // block, block))
@@ -195,6 +195,13 @@ def tensor_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
     return _unit_amax(_finite_abs(_prepare(x, q)), (Granularity.TENSORWISE, -1, 1))
 
 
+def unit_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    """The amax of each scaling unit of `x` (fp32, shape ``q.scale_shape(x.shape)``) over finite
+    values, after any transform: exactly the amax a dynamic `quantize(x, q, None, ...)` scales with
+    for Float8 / Int quantizers, so passing it back as a static amax reproduces that call."""
+    return _unit_amax(_finite_abs(_prepare(x, q)), q.layout())
+
+
 def _scale_from_amax(amax: torch.Tensor, fmt_max: float, eps: float, power_of_two: bool) -> torch.Tensor:
     # torch.div, not `fmt_max / tensor`: Python's reflected division runs as reciprocal-then-multiply,
     # which rounds twice and is one ulp off the fp32 quotient (TE's __fdiv_rn) for about 1 amax in 4.
@@ -225,7 +232,9 @@ def _mx_exponent(amax: torch.Tensor, q: MXQuantizer) -> torch.Tensor:
     return e.clamp(-127, 127)
 
 
-def quantize(x: torch.Tensor, q: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, q: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `x` (any float dtype and strides) with `q`. Returns (payload, scale_inv) where
     scale_inv has `q.scale_shape(x.shape)` and dtype `q.scale_dtype()`. `amax` is the tensor-level
     amax for quantizers that use one (`q.uses_tensor_amax()`), already group-reduced."""
@@ -269,7 +278,9 @@ def _quantize(xf, q, amax, seed):
     raise TypeError(f"no reference kernel for quantizer type {type(q).__name__}")
 
 
-def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None, q: Quantizer, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None, q: Quantizer, dtype: torch.dtype
+) -> torch.Tensor:
     """Inverse of `quantize`: payload and scales back to `dtype`."""
     shape = torch.Size(q.logical_shape(data.shape))
     if isinstance(q, Float8Quantizer):
