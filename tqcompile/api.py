@@ -62,9 +62,7 @@ def quantize(
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tq.quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if isinstance(quantizer, type) and issubclass(quantizer, Quantizer):
-        raise TypeError(
-            f"tq.quantize: quantizer must be an instance; got the class {quantizer.__name__}, pass {quantizer.__name__}()"
-        )
+        raise TypeError(f"tq.quantize: quantizer must be an instance; got the class {quantizer.__name__}, pass {quantizer.__name__}()")
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"tq.quantize: quantizer must be a tq.Quantizer (Float8Quantizer, ...), got {type(quantizer).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -87,18 +85,12 @@ def quantize(
     if seed is None and quantizer.needs_seed():
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
     elif seed is not None and not isinstance(seed, torch.Tensor):
-        raise TypeError(
-            f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {type(seed).__name__} {seed!r}"
-        )
+        raise TypeError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {type(seed).__name__} {seed!r}")
     elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
-        raise ValueError(
-            f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}"
-        )
+        raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
 
     if amax_history is not None and not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
-        raise ValueError(
-            f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}"
-        )
+        raise ValueError(f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}")
     group_name = group_name_of(amax_group)
     if amax is not None:
         _check_static_amax(x, quantizer, amax, columnwise, amax_history)
@@ -127,7 +119,6 @@ def quantize(
         inner["_amax_t"] = amax_t
     inner = {k: v for k, v in inner.items() if v is not None}
     return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
-
 
 def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, columnwise: bool, amax_history) -> None:
     if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:

@@ -48,7 +48,7 @@ def _unit_amax(a: torch.Tensor, layout: tuple[Granularity, int, int]) -> torch.T
         return a.amax() if a.numel() else a.new_zeros(())
     if gran is Granularity.ROWWISE:
         if a.shape[axis] == 0:
-            return a.new_zeros(a.shape[: axis % a.dim()] + (1,) + a.shape[axis % a.dim() + 1 :])
+            return a.new_zeros(a.shape[:axis % a.dim()] + (1,) + a.shape[axis % a.dim() + 1 :])
         return a.amax(dim=axis, keepdim=True)
     if gran is Granularity.BLOCKWISE_1D:
         blocks = a.unflatten(-1, (a.shape[-1] // block, block))
@@ -232,9 +232,7 @@ def _mx_exponent(amax: torch.Tensor, q: MXQuantizer) -> torch.Tensor:
     return e.clamp(-127, 127)
 
 
-def quantize(
-    x: torch.Tensor, q: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, q: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `x` (any float dtype and strides) with `q`. Returns (payload, scale_inv) where
     scale_inv has `q.scale_shape(x.shape)` and dtype `q.scale_dtype()`. `amax` is the tensor-level
     amax for quantizers that use one (`q.uses_tensor_amax()`), already group-reduced."""
@@ -278,9 +276,7 @@ def _quantize(xf, q, amax, seed):
     raise TypeError(f"no reference kernel for quantizer type {type(q).__name__}")
 
 
-def dequantize(
-    data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None, q: Quantizer, dtype: torch.dtype
-) -> torch.Tensor:
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None, q: Quantizer, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize`: payload and scales back to `dtype`."""
     shape = torch.Size(q.logical_shape(data.shape))
     if isinstance(q, Float8Quantizer):
