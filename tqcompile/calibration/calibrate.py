@@ -236,7 +236,8 @@ def _run(model, forward_loop, desc: str, progress: bool) -> None:
         calls[0] += 1
         bar.update(1)
 
-    handle = model.register_forward_pre_hook(count)
+    # On the module inside any DDP / compile wrapper: calling the wrapper calls it too.
+    handle = next(m for _, m in canonical_modules(model)).register_forward_pre_hook(count)
     try:
         with torch.no_grad():
             forward_loop(model)
