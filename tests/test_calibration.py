@@ -375,3 +375,15 @@ def test_an_enabled_norm_quantizer_warns_once_detached_and_reattach_restores_it(
         warnings.simplefilter("error")
         tq.summary(synced)
     assert_bitwise_equal(synced(x), y)
+
+
+def test_quantizers_that_cannot_serve_a_shape_are_disabled_and_reported():
+    model = SmallCNN().eval()  # conv1's 3 input channels cannot form MX 32-blocks; its (16, 27) weight neither
+    with pytest.warns(CalibrationWarning) as record:
+        tq.calibrate(model, tq.configs.mxfp8(), _calib_loop([torch.randn(2, 3, 8, 8)]), progress=False)
+    messages = "\n".join(str(w.message) for w in record)
+    assert "conv1 (Conv2d): weight quantizer disabled, its (16, 27) weight does not fit" in messages
+    assert "conv1 (Conv2d): input quantizer disabled, its (2, 8, 8, 3) input does not fit" in messages
+    assert not model.conv1.input_quantizer.enabled and not model.conv1.weight_quantizer.enabled
+    assert model.fc.weight_quantizer.enabled and model.conv2.weight_quantizer.enabled is False  # (32, 144): 144 % 32 != 0
+    model(torch.randn(1, 3, 8, 8))  # runs: nothing left enabled that cannot serve its tensor

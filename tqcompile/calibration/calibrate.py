@@ -39,6 +39,7 @@ from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer
 from tqcompile.calibration.modules import (
     FakeQuantModule,
+    base_class,
     canonical_modules,
     convert_module,
     kind_of,
@@ -266,19 +267,23 @@ def _reduce(tensors: list[torch.Tensor], groups, op=dist.ReduceOp.MAX) -> None:
 
 
 def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups) -> None:
-    weight_amaxes = []
+    weight_amaxes, unfit = [], []
     for p in planned:
         m = p.module
         for slot, t in m.quantizers().items():
             t.calibrating = False
-            if t.quantizer is None or t.static_kind is None:
-                continue
-            if slot == "weight":
-                t.set_amax(_weight_amax(m, t, algorithm))
-                weight_amaxes.append(t.amax)
-            else:
-                t.set_amax(_activation_amax(p.name, t, algorithm, percentile))
+            if t.unfit is not None:
+                unfit.append(f"  {p.name} ({base_class(m).__name__}): {slot} quantizer disabled, {t.unfit}")
+                t.quantizer = None
+            if t.quantizer is not None and t.static_kind is not None:
+                if slot == "weight":
+                    t.set_amax(_weight_amax(m, t, algorithm))
+                    weight_amaxes.append(t.amax)
+                else:
+                    t.set_amax(_activation_amax(p.name, t, algorithm, percentile))
             t._reset_stats()
+    if unfit:
+        warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(unfit), CalibrationWarning, stacklevel=3)
     # Weights are replicated over data-parallel groups and tensor-level amaxes of sharded weights
     # need the max over the shards: one MAX-reduce covers both (see docs/ptq.md for per-channel).
     _reduce(weight_amaxes, groups)

@@ -126,6 +126,7 @@ class TensorQuantizer(nn.Module):
         self.hist_max: torch.Tensor | None = None
         self.collect = "max"  # "max" or "hist": what a calibrating forward records
         self.calls = 0
+        self.unfit: str | None = None  # why the quantizer cannot serve a tensor seen while calibrating
 
     def set_amax(self, amax: torch.Tensor | None) -> None:
         self.amax = None if amax is None else amax.detach().to(torch.float32).clone()
@@ -168,8 +169,15 @@ class TensorQuantizer(nn.Module):
 
     # --- calibration ---------------------------------------------------------------------------
     def _record(self, x: torch.Tensor, expert: int | None) -> None:
-        if self.role == "weight" or self.static_kind is None:
-            return  # weights are calibrated from the weights; dynamic scales need no statistics
+        if self.role == "weight":
+            return  # weights are calibrated from the weights
+        if self.unfit is None:
+            try:
+                self.quantizer.check_shape(x.shape)
+            except ValueError as e:
+                self.unfit = f"its {tuple(x.shape)} {self.role} does not fit: {e}"  # calibrate disables it and says so
+        if self.static_kind is None:
+            return  # dynamic scales need no statistics
         if x.numel() == 0:
             return
         with torch.no_grad():

@@ -23,7 +23,7 @@ from tqcompile.calibration.config import SLOTS
 from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.nn.linear import GroupedLinear
 
-__all__ = ["FakeQuantModule", "canonical_modules", "kind_of", "convert_module", "unconvert_module", "weight_view"]
+__all__ = ["FakeQuantModule", "canonical_modules", "kind_of", "convert_module", "unconvert_module", "weight_view", "base_class"]
 
 
 class FakeQuantModule:
@@ -144,11 +144,15 @@ def canonical_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from walk(model, "")
 
 
+def base_class(module: nn.Module) -> type:
+    """The module's own class (the one it had before it was fake-quantized)."""
+    cls = type(module)
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, FakeQuantModule)) if isinstance(module, FakeQuantModule) else cls
+
+
 def kind_of(module: nn.Module) -> tuple[str, type, tuple[str, ...]] | None:
     """(kind, mixin, allowed slots) for a module tqcompile can fake-quantize, else None."""
-    base = module.__class__
-    if isinstance(module, FakeQuantModule):
-        base = next(c for c in base.__mro__[1:] if not issubclass(c, FakeQuantModule))
+    base = base_class(module)
     for cls, kind, mixin, slots in _KINDS:
         if issubclass(base, cls):
             return kind, mixin, slots
@@ -189,7 +193,7 @@ def unconvert_module(module: nn.Module) -> None:
     """Undo `convert_module` (used to leave a model as it was when calibration fails)."""
     if not isinstance(module, FakeQuantModule):
         return
-    module.__class__ = next(c for c in module.__class__.__mro__[1:] if not issubclass(c, FakeQuantModule))
+    module.__class__ = base_class(module)
     for slot in SLOTS:
         if f"{slot}_quantizer" in module._modules:
             del module._modules[f"{slot}_quantizer"]

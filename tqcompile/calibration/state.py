@@ -28,6 +28,7 @@ from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.modules import (
     FakeQuantModule,
+    base_class,
     canonical_modules,
     convert_module,
     kind_of,
@@ -266,10 +267,7 @@ def summary(model: nn.Module) -> QuantSummary:
     rows = []
     for name, module, qs in quantized_modules(model):
         _warn_detached(name, module, qs, "tq.summary")
-        base = type(module)
-        if isinstance(module, FakeQuantModule):
-            base = next(c for c in base.__mro__[1:] if not issubclass(c, FakeQuantModule))
-        rows.append(SummaryRow(name, base.__name__, kind_of(module)[0], *(_describe(qs[s]) for s in SLOTS)))
+        rows.append(SummaryRow(name, base_class(module).__name__, kind_of(module)[0], *(_describe(qs[s]) for s in SLOTS)))
     if not rows:
         raise ValueError("tq.summary: the model has no fake-quantized module; run tq.calibrate or tq.restore first")
     return QuantSummary(tuple(rows))
