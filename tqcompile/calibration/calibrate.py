@@ -16,7 +16,7 @@ Algorithms, for the static activation amaxes of quantizers with a per-element er
 - "max": the largest |x| seen;
 - "percentile": the `percentile`-th percentile of |x| over all calibration data (a histogram of
   2048 bins over [0, max], which needs a second pass of `forward_loop`);
-- "mse": the clipping value (among 128 candidates spread over that histogram's range) that
+- "mse": the clipping value (among up to 128 bin edges, spaced geometrically) that
   minimises the expected squared error of ``tq.quantize(v, q, amax=c).dequantize()`` over it.
 
 NVFP4 global amaxes and per-expert input amaxes always use "max". Weights use "max", except that
@@ -308,12 +308,15 @@ def _activation_amax(name: str, t: TensorQuantizer, algorithm: str, percentile: 
 
 
 def _mse_amax(t: TensorQuantizer, edges: torch.Tensor) -> torch.Tensor:
-    """The clipping value minimising the histogram-weighted squared error of fake quantization."""
+    """The clipping value minimising the histogram-weighted squared error of fake quantization.
+
+    Candidates are bin edges spaced geometrically (finer where small clips are), each tried with
+    the library's own quantize on the bin centres."""
     centers = ((edges[:-1] + edges[1:]) / 2).to(torch.float32)
     counts = t.hist.to(torch.float64)
-    best, best_err = None, math.inf
-    step = max(HIST_BINS // _MSE_CANDIDATES, 1)
-    for k in range(step, HIST_BINS + 1, step):
+    ks = torch.unique(torch.logspace(0, math.log10(HIST_BINS), _MSE_CANDIDATES).round().long())
+    best, best_err = edges[-1].to(torch.float32), math.inf
+    for k in ks.tolist():
         c = edges[k].to(torch.float32)
         dq = quantize(centers, t.quantizer, amax=c).dequantize()
         err = float((((dq - centers).double()) ** 2 * counts).sum())
