@@ -191,13 +191,19 @@ def calibrate(
         tqs = _quantizers(planned)
         for t in tqs:
             t.calibrating = True
-        _run(model, forward_loop, "calibrating" if algorithm == "max" else "calibrating (1/2: max)", progress)
+        _run(
+            model,
+            forward_loop,
+            [p.module for p in planned],
+            "calibrating" if algorithm == "max" else "calibrating (1/2: max)",
+            progress,
+        )
         _reduce([t.stat_max for t in tqs if t.stat_max is not None], groups)
         if algorithm != "max":
             hist_tqs = [t for t in tqs if _uses_histogram(t)]
             for t in hist_tqs:
                 t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
-            _run(model, forward_loop, "calibrating (2/2: histograms)", progress)
+            _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
             _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
         _finalize(planned, algorithm, percentile, groups)
     except BaseException:
@@ -227,25 +233,30 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     )
 
 
-def _run(model, forward_loop, desc: str, progress: bool) -> None:
+def _run(model, forward_loop, modules: list[nn.Module], desc: str, progress: bool) -> None:
     from tqdm.auto import tqdm
 
     bar = tqdm(desc=desc, unit=" batch", disable=not progress)
-    calls = [0]
+    calls = [0, 0]  # forward calls of the model, and of any converted module (a loop may call submodules)
 
-    def count(*_):
+    def count_model(*_):
         calls[0] += 1
         bar.update(1)
 
+    def count_module(*_):
+        calls[1] += 1
+
     # On the module inside any DDP / compile wrapper: calling the wrapper calls it too.
-    handle = next(m for _, m in canonical_modules(model)).register_forward_pre_hook(count)
+    handles = [next(m for _, m in canonical_modules(model)).register_forward_pre_hook(count_model)]
+    handles += [m.register_forward_pre_hook(count_module) for m in modules]
     try:
         with torch.no_grad():
             forward_loop(model)
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
         bar.close()
-    if calls[0] == 0:
+    if calls == [0, 0]:
         raise RuntimeError(
             "tq.calibrate: forward_loop never called the model; it must run calibration data through it, e.g. lambda m: [m(x) for x in batches]"
         )
