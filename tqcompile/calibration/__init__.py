@@ -6,7 +6,7 @@ and rebuild that state. Fake quantization is ``tq.quantize(x, q, amax=...).dequa
 same quantizers, ops and kernels as training. See docs/ptq.md and docs/qat.md.
 """
 
-from tqcompile.calibration.calibrate import ALGORITHMS, CalibrationWarning, calibrate
+from tqcompile.calibration.calibrate import ALGORITHMS, CalibrationWarning, calibrate, prepare
 from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule
 from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize
 from tqcompile.calibration.modules import FakeQuantModule
@@ -14,6 +14,7 @@ from tqcompile.calibration.state import QuantSummary, SummaryRow, quant_state, r
 
 __all__ = [
     "calibrate",
+    "prepare",
     "ALGORITHMS",
     "CalibrationWarning",
     "QuantConfig",

@@ -50,7 +50,7 @@ from tqcompile.calibration.modules import (
 from tqcompile.kernels.reference import unit_amax
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 
-__all__ = ["calibrate", "ALGORITHMS", "CalibrationWarning"]
+__all__ = ["calibrate", "prepare", "ALGORITHMS", "CalibrationWarning"]
 
 ALGORITHMS = ("max", "percentile", "mse")
 _MSE_CANDIDATES = 128
@@ -216,6 +216,38 @@ def calibrate(
         raise
     root = next(m for _, m in canonical_modules(model))  # inside any DDP / compile wrapper, so it survives (un)wrapping
     root.tq_calibration = CalibrationRecord(config, algorithm, float(percentile))
+    return model
+
+
+def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
+    """Convert `model` in place as `calibrate` would, with every static amax a zero placeholder of
+    its final shape, and no data: a template to load a saved state into, e.g. with
+    ``torch.distributed.checkpoint.load({"quant": tq.quant_state(model, expert_mesh=mesh)}, ...)``,
+    which fills the amax buffers in place (resharding per-expert amaxes to this model's experts).
+
+    Quantizers that calibration would have disabled because an activation's shape does not fit
+    cannot be known without data; restore such models with `tq.restore` instead.
+    """
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"tq.calibration.prepare: config must be a QuantConfig, got {type(config).__name__}")
+    planned = plan(model, config)
+    for p in planned:
+        convert_module(p.module, p.name, p.quantizers, config.ste)
+    for p in planned:
+        m = p.module
+        for slot, t in m.quantizers().items():
+            kind = t.static_kind
+            if kind is None:
+                continue
+            device = m.weight.device
+            if slot == "weight":
+                w = weight_view(m, m.weight)
+                shape = t.quantizer.scale_shape(w.shape) if kind == "unit" else ((w.shape[0], 1, 1) if t.num_experts else ())
+            else:
+                shape = (t.num_experts,) if t.num_experts else ()
+            t.set_amax(torch.zeros(shape, device=device))
+    root = next(m for _, m in canonical_modules(model))
+    root.tq_calibration = CalibrationRecord(config, "max", 99.99)
     return model
 
 

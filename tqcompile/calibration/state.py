@@ -89,11 +89,21 @@ def reattach(model: nn.Module) -> nn.Module:
     return model
 
 
-def quant_state(model: nn.Module) -> dict[str, Any]:
+def quant_state(model: nn.Module, *, expert_mesh=None) -> dict[str, Any]:
     """The config and every calibrated amax of a fake-quantized model, keyed by canonical module name.
 
     Plain Python values and tensors only: save it with `torch.save` and read it back with
     ``torch.load(path, weights_only=True)``; `tq.restore` rebuilds the model from it.
+
+    The amax tensors are the model's buffers themselves (not copies), so
+    `torch.distributed.checkpoint.load` into this dict loads them in place.
+
+    Args:
+        expert_mesh: for expert parallelism, a 1-D DeviceMesh over the expert-parallel group, when
+            each rank's `GroupedLinear` holds its own equal share of the experts (rank r the r-th
+            block). Per-expert amaxes are then DTensors sharded on the expert dim
+            (`DTensor.from_local`, which runs no collective), so `torch.distributed.checkpoint`
+            saves them once and reshards them on load, to any expert-parallel size.
 
     Example:
         >>> torch.save(tq.quant_state(model), "quant_state.pt")
@@ -104,10 +114,12 @@ def quant_state(model: nn.Module) -> dict[str, Any]:
         _warn_detached(name, module, qs, "tq.quant_state")
         entry: dict[str, Any] = {"kind": kind_of(module)[0]}
         for s, q in qs.items():
-            entry[s] = {
-                "quantizer": None if q.quantizer is None else quantizer_to_dict(q.quantizer),
-                "amax": None if q.amax is None else q.amax.detach(),
-            }
+            amax = None if q.amax is None else q.amax.detach()
+            if amax is not None and expert_mesh is not None and q.num_experts is not None and amax.dim() > 0:
+                from torch.distributed.tensor import DTensor, Shard
+
+                amax = DTensor.from_local(amax, expert_mesh, [Shard(0)], run_check=False)
+            entry[s] = {"quantizer": None if q.quantizer is None else quantizer_to_dict(q.quantizer), "amax": amax}
         modules[name] = entry
     return {
         "format": STATE_FORMAT,
@@ -163,7 +175,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
             s: None if entry[s]["quantizer"] is None else quantizer_from_dict(entry[s]["quantizer"], f"state[{name!r}].{s}")
             for s in SLOTS
         }
-        amaxes = {s: entry[s]["amax"] for s in SLOTS}
+        amaxes = {s: _local(entry[s]["amax"]) for s in SLOTS}
         for s in SLOTS:
             _check_amax(name, module, s, qs[s], amaxes[s])
         plans.append((name, module, qs, amaxes))
@@ -181,6 +193,13 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
     return model
 
 
+def _local(amax: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a DTensor amax (an expert-parallel state loaded with DCP), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return amax.to_local() if isinstance(amax, DTensor) else amax
+
+
 def _check_amax(name: str, module: nn.Module, slot: str, q: Quantizer | None, amax: torch.Tensor | None) -> None:
     kind = static_amax_kind(q, slot)
     if kind is None:
@@ -189,6 +208,12 @@ def _check_amax(name: str, module: nn.Module, slot: str, q: Quantizer | None, am
         return
     if amax is None:
         raise ValueError(f"tq.restore: the state lacks the amax of the {slot} quantizer of {name!r} ({q!r})")
+    experts = getattr(module, "num_experts", None) if kind_of(module)[0] == "GroupedLinear" else None
+    if experts is not None and slot != "output" and amax.dim() > 0 and amax.shape[0] != experts:
+        raise ValueError(
+            f"tq.restore: the {slot} amax of {name!r} holds {amax.shape[0]} experts; the model's module has {experts} "
+            "(an expert-parallel state: load it with torch.distributed.checkpoint into tq.calibration.prepare(model, config))"
+        )
     if slot == "weight" and kind == "unit":
         want = q.scale_shape(weight_view(module, module.weight).shape)
         if tuple(amax.shape) != tuple(want):
