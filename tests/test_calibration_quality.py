@@ -206,3 +206,27 @@ def test_an_expert_without_tokens_gets_the_max_of_the_others():
     assert torch.equal(amax[1], x.abs().amax()) and torch.equal(amax[2], parts[2].abs().amax())
     with pytest.raises(RuntimeError, match="input quantizer of 'experts' saw no data"):
         tq.calibrate(MoE(), tq.configs.fp8(), lambda m: m(torch.randn(0, 32), [0, 0, 0, 0]), progress=False)
+
+
+def test_prepare_gives_a_template_whose_buffers_a_state_loads_into():
+    torch.manual_seed(5)
+    moe = MoE()
+    x = torch.randn(24, 32)
+    tq.calibrate(moe, tq.configs.int8(), lambda m: m(x, [6, 6, 6, 6]), progress=False)
+    saved = tq.quant_state(moe)
+    template = tq.calibration.prepare(MoE(), tq.configs.int8())
+    target = tq.quant_state(template)
+    assert [(n, s) for n, e in target["modules"].items() for s in ("input", "weight", "output") if e[s]["amax"] is not None] == [
+        ("experts", "input"),
+        ("experts", "weight"),
+    ]
+    for name, entry in saved["modules"].items():  # what DCP's load does: copy into the template's tensors
+        for s in ("input", "weight", "output"):
+            if entry[s]["amax"] is not None:
+                target["modules"][name][s]["amax"].copy_(entry[s]["amax"])
+    template.load_state_dict(moe.state_dict())
+    assert torch.equal(template(x, [6, 6, 6, 6]), moe(x, [6, 6, 6, 6]))
+    # A state whose experts are another rank's share does not restore silently.
+    half = MoE(experts=2)
+    with pytest.raises(ValueError, match="input amax of 'experts' holds 4 experts; the model's module has 2"):
+        tq.restore(half, saved)
