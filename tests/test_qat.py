@@ -10,7 +10,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tqcompile as tq
+import tqcompile.testing.strategies  # noqa: F401  (tq.testing.strategies, for the hypothesis strategies)
+from tqcompile import ops
 from tqcompile.calibration import fake_quantize
+from tqcompile.calibration.fake_quant import static_amax_kind
+from tqcompile.kernels.reference import unit_amax
 from tqcompile.testing import CompileCounter, assert_bitwise_equal
 
 
@@ -77,6 +81,18 @@ def test_ste_properties(q, values, amax, upstream, ste):
     if ste == "clipped":
         expected = torch.where(x.abs() <= a, expected, torch.zeros_like(expected))
     assert torch.equal(g, expected)
+
+
+@settings(max_examples=80)
+@given(case=tq.testing.strategies.quantizer_inputs(tq.testing.strategies.quantizers(stochastic_rounding=False), max_numel=512))
+def test_fake_quant_with_the_data_amax_is_quantize_dequantize_bit_for_bit(case):
+    # Every quantizer family, shapes, dtypes and special values (0, subnormals, huge, +-inf, NaN):
+    # fake quantization with the amax calibration would take from x is tq.quantize(x).dequantize().
+    q, x = case
+    kind = static_amax_kind(q, "weight")
+    amax = None if kind is None else (ops.amax(x, q) if kind == "tensor" else unit_amax(x, q))
+    y = fake_quantize(x, q, amax)
+    assert_bitwise_equal(y, tq.quantize(x, q).dequantize())
 
 
 class Net(nn.Module):
