@@ -23,7 +23,16 @@ from tqcompile.calibration.config import SLOTS
 from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.nn.linear import GroupedLinear
 
-__all__ = ["FakeQuantModule", "canonical_modules", "kind_of", "convert_module", "unconvert_module", "weight_view", "base_class"]
+__all__ = [
+    "FakeQuantModule",
+    "canonical_modules",
+    "kind_of",
+    "convert_module",
+    "unconvert_module",
+    "weight_view",
+    "base_class",
+    "swap_class",
+]
 
 
 class FakeQuantModule:
@@ -174,19 +183,24 @@ def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight.flatten(1) if isinstance(module, nn.modules.conv._ConvNd) else weight
 
 
-def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> None:
-    """Make `module` fake-quantized in place with the given {slot: Quantizer | None}."""
+def swap_class(module: nn.Module) -> None:
+    """Give `module` the fake-quant class of its kind (its quantizer children must exist)."""
     kind, mixin, _ = kind_of(module)
-    base = module.__class__
+    base = base_class(module)
     key = (mixin, base)
     if key not in _CLASS_CACHE:
         _CLASS_CACHE[key] = type(f"FakeQuant{base.__name__}", (mixin, base), {"__module__": base.__module__, "tq_kind": kind})
-    experts = module.num_experts if kind == "GroupedLinear" else None
+    module.__class__ = _CLASS_CACHE[key]
+
+
+def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> None:
+    """Make `module` fake-quantized in place with the given {slot: Quantizer | None}."""
+    experts = module.num_experts if kind_of(module)[0] == "GroupedLinear" else None
     for slot in SLOTS:
         module.add_module(
             f"{slot}_quantizer", TensorQuantizer(quantizers[slot], slot, name, experts if slot != "output" else None, ste)
         )
-    module.__class__ = _CLASS_CACHE[key]
+    swap_class(module)
 
 
 def unconvert_module(module: nn.Module) -> None:

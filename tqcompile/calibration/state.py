@@ -32,6 +32,7 @@ from tqcompile.calibration.modules import (
     canonical_modules,
     convert_module,
     kind_of,
+    swap_class,
     unsupported_reason,
     weight_view,
 )
@@ -78,14 +79,9 @@ def _warn_detached(name: str, module: nn.Module, qs: dict[str, TensorQuantizer],
 def reattach(model: nn.Module) -> nn.Module:
     """Give modules that hold quantizers but lost their fake-quant class (a module replaced after
     quantization that kept its children, as `convert_sync_batchnorm` does) their forward back."""
-    for name, module, qs in list(quantized_modules(model)):
+    for _, module, _ in list(quantized_modules(model)):
         if not isinstance(module, FakeQuantModule):
-            saved = {s: q for s, q in qs.items()}
-            for s in SLOTS:
-                del module._modules[f"{s}_quantizer"]
-            convert_module(module, name, {s: q.quantizer for s, q in saved.items()}, saved["input"].ste)
-            for s, q in saved.items():
-                module._modules[f"{s}_quantizer"] = q
+            swap_class(module)
     return model
 
 
