@@ -387,3 +387,23 @@ def test_quantizers_that_cannot_serve_a_shape_are_disabled_and_reported():
     assert not model.conv1.input_quantizer.enabled and not model.conv1.weight_quantizer.enabled
     assert model.fc.weight_quantizer.enabled and model.conv2.weight_quantizer.enabled is False  # (32, 144): 144 % 32 != 0
     model(torch.randn(1, 3, 8, 8))  # runs: nothing left enabled that cannot serve its tensor
+
+
+def test_norms_without_parameters_and_an_enabled_norm_output():
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32, elementwise_affine=False), nn.Linear(32, 8))
+    cfg = tq.configs.fp8().with_rules(QuantRule(module_types=(nn.LayerNorm,), output=tq.Float8Quantizer()))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        h_float = model[0](x)  # what the norm sees while calibrating: the model computes in high precision
+    tq.calibrate(model, cfg, lambda m: m(x), progress=False)
+    norm = model[1]
+    assert torch.equal(norm.output_quantizer.amax, F.layer_norm(h_float, (32,)).abs().amax())
+    h = model[0](x)
+    assert_bitwise_equal(
+        norm(h), tq.quantize(F.layer_norm(h, (32,)), tq.Float8Quantizer(), amax=norm.output_quantizer.amax).dequantize()
+    )
+    fresh = tq.restore(
+        nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32, elementwise_affine=False), nn.Linear(32, 8)), tq.quant_state(model)
+    )
+    fresh.load_state_dict(model.state_dict())
+    assert_bitwise_equal(fresh(x), model(x))

@@ -43,6 +43,7 @@ from tqcompile.calibration.modules import (
     canonical_modules,
     convert_module,
     kind_of,
+    module_device,
     unconvert_module,
     unsupported_reason,
     weight_view,
@@ -189,8 +190,13 @@ def calibrate(
         for p in planned:
             convert_module(p.module, p.name, p.quantizers, config.ste)
         tqs = _quantizers(planned)
-        for t in tqs:
-            t.calibrating = True
+        for p in planned:
+            for t in p.module.quantizers().values():
+                t.calibrating = True
+                if t.role != "weight" and t.static_kind == "tensor":
+                    # Every rank holds every statistic, seen or not (-1: no data yet), so the
+                    # reductions line up across ranks whatever data each one got.
+                    t.stat_max = torch.full((t.num_experts,) if t.num_experts else (), -1.0, device=module_device(p.module))
         _run(
             model,
             forward_loop,
@@ -203,6 +209,7 @@ def calibrate(
             hist_tqs = [t for t in tqs if _uses_histogram(t)]
             for t in hist_tqs:
                 t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
+                t.hist = torch.zeros(HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
             _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
             _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
         _finalize(planned, algorithm, percentile, groups)
@@ -239,7 +246,7 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
             kind = t.static_kind
             if kind is None:
                 continue
-            device = m.weight.device
+            device = module_device(m)
             if slot == "weight":
                 w = weight_view(m, m.weight)
                 shape = t.quantizer.scale_shape(w.shape) if kind == "unit" else ((w.shape[0], 1, 1) if t.num_experts else ())
@@ -257,11 +264,7 @@ def _quantizers(planned: list[_Planned]) -> list[TensorQuantizer]:
 
 def _uses_histogram(t: TensorQuantizer) -> bool:
     return (
-        t.role != "weight"
-        and t.static_kind == "tensor"
-        and t.num_experts is None
-        and not isinstance(t.quantizer, NVFP4Quantizer)
-        and t.stat_max is not None
+        t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not isinstance(t.quantizer, NVFP4Quantizer)
     )
 
 
@@ -333,14 +336,14 @@ def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups
 
 
 def _activation_amax(name: str, t: TensorQuantizer, algorithm: str, percentile: float) -> torch.Tensor:
-    if t.stat_max is None:
+    if bool((t.stat_max < 0).all()):
         raise RuntimeError(
             f"tq.calibrate: the {t.role} quantizer of {name!r} saw no data during calibration (the module never ran); "
             f"run data through it in forward_loop, or disable it with QuantRule(name={name!r}, {t.role}=False)"
         )
     if t.num_experts is not None:
         return _expert_amax(name, t.stat_max)
-    if t.hist is None or algorithm == "max":
+    if not _uses_histogram(t) or algorithm == "max":
         return t.stat_max
     edges = torch.linspace(0.0, float(t.hist_max), HIST_BINS + 1, dtype=torch.float64)
     if algorithm == "percentile":

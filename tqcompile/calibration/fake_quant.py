@@ -194,17 +194,16 @@ class TensorQuantizer(nn.Module):
             from tqcompile import ops
 
             a = ops.amax(x, self.quantizer)
+            # `calibrate` allocated stat_max (-1: not seen yet); one entry per expert for experts' inputs.
             if self.num_experts is not None:
-                if self.stat_max is None:
-                    self.stat_max = torch.full((self.num_experts,), -1.0, device=x.device)  # -1: expert not seen
                 self.stat_max[expert] = torch.maximum(self.stat_max[expert], a)
             else:
-                self.stat_max = a if self.stat_max is None else torch.maximum(self.stat_max, a)
+                self.stat_max = torch.maximum(self.stat_max, a)
 
     def _record_hist(self, x: torch.Tensor) -> None:
         top = float(self.hist_max)
         counts = torch.histc(x.detach().float().abs().flatten(), bins=HIST_BINS, min=0.0, max=top if top > 0 else 1.0)
-        self.hist = counts.double() if self.hist is None else self.hist + counts.double()
+        self.hist += counts.double()
 
 
 HIST_BINS = 2048

@@ -178,6 +178,13 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module's tensors live (a LayerNorm without affine parameters has none: the CPU)."""
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        return t.device
+    return torch.device("cpu")
+
+
 def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The view of a weight its weight quantizer sees: a conv's (out, in/groups * kernel) GEMM matrix."""
     return weight.flatten(1) if isinstance(module, nn.modules.conv._ConvNd) else weight
