@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -122,6 +123,16 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         _cnn(), CONFIG, _loop(_batches(rank)), algorithm="percentile", percentile=99.0, amax_groups=[world], progress=False
     )
     results["percentile"] = tq.quant_state(p)
+
+    # 1''. data-parallel MoE: each rank routes no token to a different expert; after the reduction
+    #      every expert has an amax from the other rank's tokens (no idle-expert fallback, no warning).
+    splits = [[6, 0, 6, 6], [6, 6, 0, 6]][rank]
+    dp_moe = _experts(EXPERTS, 0)
+    local_tokens = torch.cat([_tokens(e) * (1 + rank) for e, n in enumerate(splits) if n])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tq.calibration.CalibrationWarning)
+        tq.calibrate(dp_moe, tq.configs.fp8(), lambda m: m(local_tokens, splits), amax_groups=[world], progress=False)
+    results["dp_moe_input_amax"] = dp_moe.input_quantizer.amax
 
     # 3. expert parallelism: this rank's 2 experts, calibrated on the tokens routed to them.
     from torch.distributed.device_mesh import init_device_mesh
@@ -238,6 +249,13 @@ def test_ptq_two_ranks(tmp_path, one_thread):
     assert not torch.equal(
         local0["modules"]["conv1"]["input"]["amax"], tq.quant_state(single)["modules"]["conv1"]["input"]["amax"]
     )
+
+    union_tokens = [
+        torch.cat([_tokens(e) * (1 + r) for r in range(WORLD_SIZE) if [[6, 0, 6, 6], [6, 6, 0, 6]][r][e]]) for e in range(EXPERTS)
+    ]
+    expected = torch.stack([t.abs().amax() for t in union_tokens])
+    for r, res in enumerate(ranks):
+        assert torch.equal(res["dp_moe_input_amax"], expected), f"rank {r} data-parallel MoE input amaxes"
 
     # 2. Every order gives the same state; each restores into a single-process model built another way.
     ref = ranks[0]["quantize_then_sync"]
