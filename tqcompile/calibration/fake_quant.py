@@ -125,7 +125,6 @@ class TensorQuantizer(nn.Module):
         self.hist: torch.Tensor | None = None  # histogram of |x| over [0, hist_max] (percentile, mse)
         self.hist_max: torch.Tensor | None = None
         self.collect = "max"  # "max" or "hist": what a calibrating forward records
-        self.calls = 0
         self.unfit: str | None = None  # why the quantizer cannot serve a tensor seen while calibrating
 
     def set_amax(self, amax: torch.Tensor | None) -> None:
@@ -187,7 +186,6 @@ class TensorQuantizer(nn.Module):
                     f"tq.calibrate: the {self.role} of module {self.owner!r} holds {bad} values during calibration; "
                     "calibration needs finite activations (check the data and the model's numerics before this layer)"
                 )
-            self.calls += 1
             if self.collect == "hist":
                 self._record_hist(x)
                 return

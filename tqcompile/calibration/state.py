@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,11 +32,15 @@ from tqcompile.calibration.modules import (
     canonical_modules,
     convert_module,
     kind_of,
+    module_device,
     swap_class,
     unsupported_reason,
     weight_view,
 )
 from tqcompile.quantizers import Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
+
+if TYPE_CHECKING:  # only a hint: torch.distributed may be unavailable on some platforms
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["quant_state", "restore", "reattach", "summary", "QuantSummary", "SummaryRow", "STATE_FORMAT"]
 
@@ -85,7 +89,7 @@ def reattach(model: nn.Module) -> nn.Module:
     return model
 
 
-def quant_state(model: nn.Module, *, expert_mesh=None) -> dict[str, Any]:
+def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> dict[str, Any]:
     """The config and every calibrated amax of a fake-quantized model, keyed by canonical module name.
 
     Plain Python values and tensors only: save it with `torch.save` and read it back with
@@ -179,11 +183,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         convert_module(module, name, qs, config.ste)
         for s, tq_ in module.quantizers().items():
             a = amaxes[s]
-            tq_.set_amax(
-                None
-                if a is None
-                else a.to(module.weight.device if hasattr(module, "weight") and module.weight is not None else a.device)
-            )
+            tq_.set_amax(None if a is None else a.to(module_device(module)))
     root = next(m for _, m in canonical_modules(model))
     root.tq_calibration = CalibrationRecord(config, state["algorithm"], float(state["percentile"]))
     return model
