@@ -10,11 +10,12 @@ SQNR floors (dB, output of the quantized model vs the float model, random weight
 - FP8 E4M3 per tensor: 3 mantissa bits give a relative rounding error uniform in +-2^-4, i.e.
   10 log10(3 * 2^8) ~ 29 dB per operand, ~21 dB for 6 operands (measured 24.4: GELU/ReLU
   zeroes part of the signal exactly). Floor: 21 dB.
-- ResNet-18 (20 convs + 1 linear quantized, BatchNorm between them, eval mode, running statistics
-  from data): the per-operand figures are the same (~40 dB INT8, ~29 dB FP8); the residual
-  connections carry most of the signal past each block's quantized convs, so the output sits
-  5-6 dB below them instead of 10 log10(42) = 16 dB (measured 34.3 dB INT8, 25.2 dB FP8).
-  Floors: 30 dB INT8, 21 dB FP8.
+- ResNet-18 (20 convs + 1 linear quantized: 42 operands, BatchNorm between them, eval mode with
+  running statistics from data, torchvision's initialisation): the per-operand figures are the
+  same (~40 dB INT8, ~29 dB FP8) and the 42 errors add: ~40 - 10 log10(42) ~ 24 dB INT8,
+  ~29 - 16 ~ 13 dB FP8 (measured 22.7 / 22.9 dB INT8 and 13.9 / 13.1 dB FP8 for seeds 0 / 1).
+  Floors: 20 dB INT8, 11 dB FP8. (PyTorch's default initialisation, whose convs shrink the
+  residual branches, gives 34 / 25 dB: the identity paths then carry most of the signal.)
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class MLP(nn.Module):
         return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
 
 
-# ResNet-18 (He et al. 2015; the layout and module names of torchvision's resnet18), written here
-# because this CPU-only torch build has no matching torchvision wheel.
+# ResNet-18 (He et al. 2015) with the layout and module names of torchvision's resnet18, used where
+# torchvision cannot load (the package index's torchvision 0.28.0 is a CUDA build, which fails to
+# load with a CPU-only torch 2.13); where it can, the tests use torchvision's own model.
 class BasicBlock(nn.Module):
     def __init__(self, cin, cout, stride):
         super().__init__()
@@ -67,12 +69,31 @@ class ResNet18(nn.Module):
             setattr(self, f"layer{i + 1}", nn.Sequential(BasicBlock(cin, c, stride), BasicBlock(c, c, 1)))
             cin = c
         self.fc = nn.Linear(512, num_classes)
+        for m in self.modules():  # torchvision's initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
         for i in range(4):
             x = getattr(self, f"layer{i + 1}")(x)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _torchvision_resnet18():
+    try:
+        from torchvision.models import resnet18
+    except Exception:  # not installed, or a build for another torch (a CUDA torchvision fails to load on CPU torch)
+        return None
+    return resnet18()
+
+
+def test_local_resnet18_is_torchvisions_layout():
+    tv = _torchvision_resnet18()
+    if tv is None:
+        pytest.skip("torchvision is not installed for this torch build")
+    ours = ResNet18()
+    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [(k, v.shape) for k, v in tv.state_dict().items()]
 
 
 def _calibrated(model, cfg, batches, **kw):
@@ -93,7 +114,7 @@ def test_mlp_sqnr(config, floor):
 
 def test_resnet18_sqnr():
     torch.manual_seed(0)
-    model = ResNet18()
+    model = _torchvision_resnet18() or ResNet18()
     model.train()
     with torch.no_grad():  # running statistics from data, as a trained model has them
         for _ in range(2):
@@ -104,7 +125,7 @@ def test_resnet18_sqnr():
         ref = model(test)
         quantized = {c: _calibrated(model, getattr(tq.configs, c)(), cal) for c in ("int8", "fp8")}
         results = {c: sqnr(ref, q(test)) for c, q in quantized.items()}
-    assert results["int8"] >= 30.0 and results["fp8"] >= 21.0, results
+    assert results["int8"] >= 20.0 and results["fp8"] >= 11.0, results
     summary = tq.summary(quantized["int8"])
     assert sum(r.kind == "Conv2d" for r in summary.rows) == 20 and sum(r.kind == "BatchNorm" for r in summary.rows) == 20
 
