@@ -215,16 +215,19 @@ def _snapshot(model):
     return [type(m) for m in model.modules()], copy.deepcopy(model.state_dict()), [n for n, _ in model.named_modules()]
 
 
-def test_nan_activation_names_the_module_and_leaves_the_model_unchanged():
+@pytest.mark.parametrize(("value", "name"), [(float("nan"), "NaN"), (float("-inf"), "Inf")])
+def test_nonfinite_activation_names_the_module_and_leaves_the_model_unchanged(value, name):
     model = SmallCNN().train()
     before = _snapshot(model)
     x = torch.randn(2, 3, 8, 8)
 
     def loop(m):
         m(x)
-        m.fc(torch.full((2, 32), float("nan")))
+        bad = torch.randn(2, 32)
+        bad[1, 3] = value
+        m.fc(bad)
 
-    with pytest.raises(ValueError, match="input of module 'fc' holds NaN"):
+    with pytest.raises(ValueError, match=f"input of module 'fc' holds {name} values"):
         tq.calibrate(model, tq.configs.int8(), loop, progress=False)
     after = _snapshot(model)
     assert before[0] == after[0] and before[2] == after[2]
