@@ -143,7 +143,13 @@ def test_conversion_plan_reports_without_converting():
     assert type(model.up) is nn.Linear, "conversion_plan does not convert"
     _convert_quietly(model)
     plan = {p.name: p.action for p in tq.nn.conversion_plan(model, RECIPE)}
-    assert plan == {"up": "already converted", "scaled": "already converted", "clamped": "skip", "residual": "already converted", "head": "already converted"}
+    assert plan == {
+        "up": "already converted",
+        "scaled": "already converted",
+        "clamped": "skip",
+        "residual": "already converted",
+        "head": "already converted",
+    }
 
 
 def test_convert_is_idempotent_with_the_same_recipe():
@@ -161,7 +167,10 @@ def test_convert_is_idempotent_with_the_same_recipe():
 def test_convert_with_another_recipe_raises():
     model = nn.Sequential(nn.Linear(64, 64))
     tq.convert(model, RECIPE)
-    with pytest.raises(ValueError, match=r"layer '0' is already converted with recipe 'fp8_tensorwise'; converting it again with 'mxfp8' is not supported"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer '0' is already converted with recipe 'fp8_tensorwise'; converting it again with 'mxfp8' is not supported",
+    ):
         tq.convert(model, tq.recipes.mxfp8())
     assert model[0].recipe == RECIPE
 
