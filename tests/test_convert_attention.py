@@ -291,3 +291,19 @@ def test_encoder_nested_tensor_path_is_turned_off():
     assert sqnr(expected[keep], out[keep]) > 20
     with pytest.raises(ValueError, match="nested tensor input is not supported"):
         model.layers[0](torch.nested.nested_tensor([torch.randn(4, E), torch.randn(6, E)]))
+
+
+def test_converted_mha_applies_dropout_only_in_training():
+    torch.manual_seed(0)
+    mha = tq.convert(nn.MultiheadAttention(E, H, dropout=0.5, batch_first=True), RECIPE)
+    x = torch.randn(2, 16, E)
+    for need_weights in (False, True):
+        mha.eval()
+        assert_bitwise_equal(mha(x, x, x, need_weights=need_weights)[0], mha(x, x, x, need_weights=need_weights)[0])
+        mha.train()
+        torch.manual_seed(1)
+        first = mha(x, x, x, need_weights=need_weights)[0]
+        torch.manual_seed(2)
+        assert not torch.equal(first, mha(x, x, x, need_weights=need_weights)[0])
+        torch.manual_seed(1)
+        assert_bitwise_equal(first, mha(x, x, x, need_weights=need_weights)[0])

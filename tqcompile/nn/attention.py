@@ -97,12 +97,15 @@ def _mha_forward(mha, query, key, value, key_padding_mask, need_weights, attn_ma
             f"MultiheadAttention(embed_dim={mha.embed_dim}): query {tuple(query.shape)}, key {tuple(key.shape)} and value "
             f"{tuple(value.shape)} (batch first) need query's last dim embed_dim and one batch and key/value sequence length"
         )
-    if is_causal and attn_mask is None:
+    if attn_mask is None and is_causal:
         raise RuntimeError("MultiheadAttention: is_causal is a hint that attn_mask is the causal mask; pass attn_mask too")
     dtype = query.dtype
     key_padding_mask = _float_mask(key_padding_mask, "key_padding_mask", dtype)
     # As torch does: with the causal hint and nothing else to mask, SDPA builds the causal mask itself.
-    sdpa_causal = bool(is_causal) and key_padding_mask is None and not need_weights
+    # nn.Transformer passes a hint it detected by comparing the mask's values (a tensor under
+    # torch.compile): only a Python bool is taken, else the mask itself is used, which is equal and
+    # keeps the graph free of a data-dependent branch.
+    sdpa_causal = is_causal is True and key_padding_mask is None and not need_weights
     attn_mask = None if sdpa_causal else _float_mask(attn_mask, "attn_mask", dtype)
     if attn_mask is not None:
         if attn_mask.dim() == 2 and attn_mask.shape == (tgt_len, src_len):
