@@ -307,3 +307,18 @@ def test_converted_mha_applies_dropout_only_in_training():
         assert not torch.equal(first, mha(x, x, x, need_weights=need_weights)[0])
         torch.manual_seed(1)
         assert_bitwise_equal(first, mha(x, x, x, need_weights=need_weights)[0])
+
+
+def test_converting_transformer_layers_again_is_a_no_op_or_refused():
+    model = nn.Sequential(nn.TransformerEncoderLayer(E, H, 128), nn.TransformerDecoderLayer(E, H, 128))
+    tq.convert(model, RECIPE)
+    classes = {name: type(m) for name, m in model.named_modules()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tq.convert(model, tq.recipes.fp8_tensorwise())
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    plan = {p.name: p.action for p in tq.nn.conversion_plan(model, RECIPE)}
+    assert plan["0"] == plan["0.self_attn"] == plan["1.multihead_attn"] == plan["1.linear2"] == "already converted"
+    assert "1" not in plan, "a decoder layer has no fast path: nothing to convert"
+    with pytest.raises(ValueError, match="layer '0' is already converted with recipe 'fp8_tensorwise'"):
+        tq.convert(model, tq.recipes.mxfp8())
