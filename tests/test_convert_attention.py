@@ -322,3 +322,27 @@ def test_converting_transformer_layers_again_is_a_no_op_or_refused():
     assert "1" not in plan, "a decoder layer has no fast path: nothing to convert"
     with pytest.raises(ValueError, match="layer '0' is already converted with recipe 'fp8_tensorwise'"):
         tq.convert(model, tq.recipes.mxfp8())
+    restored = pickle.loads(pickle.dumps(model.eval()))
+    assert {name: type(m) for name, m in restored.named_modules()} == classes
+    x = torch.randn(8, 2, E)
+    with torch.no_grad():
+        assert_bitwise_equal(restored[0](x), model[0](x))
+
+
+def test_mha_histories_start_at_zero_after_meta_initialisation():
+    """Converted on the meta device and materialised with `to_empty`, the histories the attention
+    layer owns are zeros, not uninitialised memory."""
+    with torch.device("meta"):
+        mha = nn.MultiheadAttention(E, H, batch_first=True)
+    tq.convert(mha, tq.recipes.fp8_delayed(4), filter_fn=lambda m, fqn: fqn != "out_proj")
+    assert mha.amax_history_in_proj_input.is_meta
+    mha.to_empty(device="cpu")
+    histories = {n: b for n, b in mha.named_buffers() if n.startswith("amax_history_")}
+    assert len(histories) == 12 and all(b.dtype == torch.float32 and not b.any() for b in histories.values())
+    with torch.no_grad():
+        for p in mha.parameters():
+            p.normal_(0, 0.1)
+        for b in histories.values():
+            b.fill_(7.0)
+    mha._reset_parameters()
+    assert not any(getattr(mha, n).any() for n in histories), "reset_parameters starts the histories over"
