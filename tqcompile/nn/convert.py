@@ -102,7 +102,7 @@ def _is_converted(module: nn.Module) -> bool:
 
 
 def _new_converted(cls: type, quantized_cls: type, *args):
-    """Unpickling: a fresh instance of the class `_quantized_class(cls, quantized_cls)` made."""
+    """Unpickling: an empty instance of the class that `_quantized_class(cls, quantized_cls)` makes."""
     new_cls = _quantized_class(cls, quantized_cls)
     return new_cls.__new__(new_cls, *args)
 
@@ -112,7 +112,8 @@ def _reduce_ex_converted(self, protocol: int):
     # object.__reduce_ex__ (protocol >= 2) gives (copyreg.__newobj__, (cls, *args), state, ...).
     rv = object.__reduce_ex__(self, max(protocol, 2))
     cls = type(self)
-    if isinstance(rv, tuple) and rv[0] is copyreg.__newobj__ and rv[1][0] is cls:
+    # Only for the generated class itself: a user's subclass of it is importable and pickles by name.
+    if "_tq_float_class" in cls.__dict__ and isinstance(rv, tuple) and rv[0] is copyreg.__newobj__ and rv[1][0] is cls:
         return (_new_converted, (cls._tq_float_class, cls._tq_quantized_class, *rv[1][1:]), *rv[2:])
     return rv  # the user's class defines its own reduction
 
