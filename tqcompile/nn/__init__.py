@@ -5,4 +5,15 @@ from tqcompile.nn.functional import linear, qgemm
 from tqcompile.nn.grouped import GroupedLinear, grouped_linear
 from tqcompile.nn.linear import Linear
 
-__all__ = ["Linear", "GroupedLinear", "linear", "grouped_linear", "qgemm", "convert", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]
+__all__ = [
+    "Linear",
+    "GroupedLinear",
+    "linear",
+    "grouped_linear",
+    "qgemm",
+    "convert",
+    "conversion_plan",
+    "register_converter",
+    "ConversionWarning",
+    "PlannedConversion",
+]

@@ -44,7 +44,9 @@ _TOKEN_OPERANDS = ("fprop_input", "dgrad_grad", "wgrad_grad", "wgrad_input")
 def grouped_unsupported_reason(recipe: Recipe, in_features: int, out_features: int) -> str | None:
     """Why `recipe` cannot serve a GroupedLinear of these sizes (None if it can)."""
     if recipe.amax_history_len:
-        return "it uses delayed scaling, whose one amax history per layer per-expert scales cannot use; use a current-scaling recipe"
+        return (
+            "it uses delayed scaling, whose one amax history per layer per-expert scales cannot use; use a current-scaling recipe"
+        )
     for field in _TOKEN_OPERANDS:
         q = getattr(recipe, field)
         if q is None:
@@ -136,14 +138,18 @@ class _GroupedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             qdy = _quantize_grouped(dy, r.dgrad_grad, ends, columnwise=False, amax_group=a.amax_group)
             w_t = weight.transpose(1, 2).reshape(num_experts * k, n)
-            qwt = _quantize_grouped(w_t, r.dgrad_weight, _weight_ends(num_experts, k, weight.device), columnwise=False, amax_group=None)
+            qwt = _quantize_grouped(
+                w_t, r.dgrad_weight, _weight_ends(num_experts, k, weight.device), columnwise=False, amax_group=None
+            )
             dx = gops.grouped_gemm_tn(*qdy.args(), *qwt.args(), ends, False, a.input_dtype)
         if ctx.needs_input_grad[1]:
             if a.wgrad_quantizer is None:
                 dw = gops.grouped_mm_wgrad(dy, saved_x, ends, weight.dtype)
             else:
                 qdyt = _quantize_grouped(dy, r.wgrad_grad, ends, columnwise=True, amax_group=a.amax_group)
-                dw = gops.grouped_gemm_tn(*qdyt.args(), saved_x, saved_scale_inv, saved_amax, a.wgrad_quantizer, ends, True, weight.dtype)
+                dw = gops.grouped_gemm_tn(
+                    *qdyt.args(), saved_x, saved_scale_inv, saved_amax, a.wgrad_quantizer, ends, True, weight.dtype
+                )
         if a.has_bias and ctx.needs_input_grad[2]:
             ids = _expert_of_token(ends, dy.shape[0])
             db = dy.new_zeros(num_experts, n, dtype=torch.float32).index_add_(0, ids, dy.float()).to(dy.dtype)
@@ -154,9 +160,13 @@ def _ends_from(m_splits, num_experts: int, num_tokens: int, device: torch.device
     """Validate `m_splits` and return the segment ends (int64, on `device`)."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"GroupedLinear: m_splits tensor has dtype {m_splits.dtype}; allowed: torch.int64 (or torch.int32) per-expert token counts")
+            raise TypeError(
+                f"GroupedLinear: m_splits tensor has dtype {m_splits.dtype}; allowed: torch.int64 (or torch.int32) per-expert token counts"
+            )
         if tuple(m_splits.shape) != (num_experts,):
-            raise ValueError(f"GroupedLinear: m_splits tensor has shape {tuple(m_splits.shape)}; expected ({num_experts},), one count per expert")
+            raise ValueError(
+                f"GroupedLinear: m_splits tensor has shape {tuple(m_splits.shape)}; expected ({num_experts},), one count per expert"
+            )
         if m_splits.device != device:
             raise ValueError(f"GroupedLinear: m_splits is on {m_splits.device} but x is on {device}; put them on the same device")
         if m_splits.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -167,9 +177,13 @@ def _ends_from(m_splits, num_experts: int, num_tokens: int, device: torch.device
                 )
         return torch.cumsum(m_splits.to(torch.int64), 0)
     if not isinstance(m_splits, Sequence) or not all(isinstance(m, int) and not isinstance(m, bool) for m in m_splits):
-        raise TypeError(f"GroupedLinear: m_splits must be an int64 tensor or a list of ints, got {type(m_splits).__name__} {m_splits!r}")
+        raise TypeError(
+            f"GroupedLinear: m_splits must be an int64 tensor or a list of ints, got {type(m_splits).__name__} {m_splits!r}"
+        )
     if len(m_splits) != num_experts or sum(m_splits) != num_tokens or any(m < 0 for m in m_splits):
-        raise ValueError(f"GroupedLinear: m_splits={list(m_splits)} must have {num_experts} entries summing to x.shape[0]={num_tokens}")
+        raise ValueError(
+            f"GroupedLinear: m_splits={list(m_splits)} must have {num_experts} entries summing to x.shape[0]={num_tokens}"
+        )
     return torch.tensor(m_splits, dtype=torch.int64, device=device).cumsum(0)
 
 
@@ -196,7 +210,9 @@ def grouped_linear(
     if not isinstance(recipe, Recipe):
         raise TypeError(f"grouped_linear: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"grouped_linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16")
+        raise TypeError(
+            f"grouped_linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16"
+        )
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
         raise ValueError(
             f"grouped_linear: expected x of shape (tokens, {weight.shape[-1]}) and weight (experts, out, in), "
@@ -226,14 +242,27 @@ class GroupedLinear(_Quantized, nn.Module):
         >>> y = experts(torch.randn(50, 64), torch.tensor([20, 0, 25, 5]))       # (50, 128)
     """
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None, *, recipe: Recipe, amax_group=None):
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Recipe,
+        amax_group=None,
+    ):
         super().__init__()
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"GroupedLinear: num_experts={num_experts!r}; allowed: an int >= 1")
         _check_recipe(recipe, in_features, out_features, "tq.nn.GroupedLinear")
         reason = grouped_unsupported_reason(recipe, in_features, out_features)
         if reason:
-            raise ValueError(f"tq.nn.GroupedLinear: recipe {recipe.name!r} cannot serve {num_experts} experts {in_features} -> {out_features}: {reason}")
+            raise ValueError(
+                f"tq.nn.GroupedLinear: recipe {recipe.name!r} cannot serve {num_experts} experts {in_features} -> {out_features}: {reason}"
+            )
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, device=device, dtype=dtype)) if bias else None
@@ -249,13 +278,19 @@ class GroupedLinear(_Quantized, nn.Module):
     def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         if m_splits is not None:
             if x.dim() != 2 or x.shape[1] != self.in_features:
-                raise ValueError(f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {tuple(x.shape)}")
+                raise ValueError(
+                    f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {tuple(x.shape)}"
+                )
             return grouped_linear(x, m_splits, self.weight, self.bias, self.recipe, amax_group=self.amax_group_name)
         if x.dim() != 3 or x.shape[0] != self.num_experts:
-            raise ValueError(f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, got {tuple(x.shape)}")
+            raise ValueError(
+                f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, got {tuple(x.shape)}"
+            )
         # One quantized linear per expert: every expert's weight and tokens get their own scales.
         outs = [
-            linear(chunk, self.weight[e], None if self.bias is None else self.bias[e], self.recipe, amax_group=self.amax_group_name)
+            linear(
+                chunk, self.weight[e], None if self.bias is None else self.bias[e], self.recipe, amax_group=self.amax_group_name
+            )
             for e, chunk in enumerate(x.unbind(0))
         ]
         return torch.stack(outs)

@@ -21,8 +21,8 @@ Two layouts of a grouped operand (payload, scale_inv, amax):
 
 Cost of the padding: at most E*(block-1) extra token columns in each wgrad operand, i.e. for
 E=8 experts, 8*31 = 248 extra columns for MXFP8 and 8*127 = 1016 for FP8 1x128 blocks, each
-column C bytes of payload (C/2 for FP4) plus its scales, and the same extra length in the wgrad
-GEMM's reduction (zeros; the emulation drops them before multiplying).
+column C bytes of payload (C/2 for FP4) plus its scales, and in the wgrad GEMM's reduction up to
+block-1 extra (zero) tokens per expert, as a per-expert GEMM on padded operands would have.
 
 Every op here has a reference kernel in plain torch (`tqcompile.kernels.reference` does the
 element math, so the numerics are exactly a per-expert `tq.quantize` / `gemm_tn`'s) and a fake
@@ -181,7 +181,12 @@ def _grouped_amax_fake(x, quantizer, ends, columnwise):
 
 @torch.library.custom_op("tqcompile::grouped_quantize", mutates_args=())
 def grouped_quantize(
-    x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, amax: torch.Tensor | None, seed: torch.Tensor | None, columnwise: bool
+    x: torch.Tensor,
+    quantizer: Quantizer,
+    ends: torch.Tensor,
+    amax: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    columnwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, scale_inv) of the (T, C) tokens `x` grouped by `ends`, each expert with its own
     scales, in the rowwise or the padded columnwise layout (module docstring). `amax` is the
@@ -240,9 +245,12 @@ def _grouped_quantize_fake(x, quantizer, ends, amax, seed, columnwise):
     return payload, scale_inv
 
 
-def _dequantize_grouped(data, scale_inv, amax, q: Quantizer, ends: torch.Tensor, num_tokens: int, columnwise: bool) -> torch.Tensor:
-    """fp32 values of a grouped operand, in token order: (T, C) rowwise, (C, T) columnwise (the
-    padding dropped after dequantizing, so a transform's inverse sees whole blocks)."""
+def _dequantize_grouped(
+    data, scale_inv, amax, q: Quantizer, ends: torch.Tensor, num_tokens: int, columnwise: bool, unpad: bool = False
+) -> torch.Tensor:
+    """fp32 values of a grouped operand: (T, C) rowwise; (C, Tc) columnwise in its padded layout,
+    or with `unpad` (C, T) in token order (the padding dropped after dequantizing, so a
+    transform's inverse sees whole blocks)."""
     gran = q.layout()[0]
     multiple = token_multiple(q) if columnwise else 1
     seg_dim = 1 if columnwise else 0
@@ -255,7 +263,7 @@ def _dequantize_grouped(data, scale_inv, amax, q: Quantizer, ends: torch.Tensor,
     if amax is not None:
         amax = amax[ids].unsqueeze(1 - seg_dim)
     out = reference.dequantize(data, scale_inv, amax, q, torch.float32)
-    if columnwise and multiple > 1:
+    if unpad and multiple > 1:
         out = out.index_select(1, _column_positions(ends, num_tokens, multiple))
     return out
 
@@ -363,13 +371,21 @@ def grouped_gemm_tn(
     # As in `gemm_tn`: the emulation's fp32 matmul must not run under the caller's autocast.
     with torch.autocast(a_data.device.type, enabled=False):
         if _scaled_family(a_quantizer, b_quantizer):
-            return _scaled_family_gemm(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, ends, wgrad, out_dtype)
+            return _scaled_family_gemm(
+                a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, ends, wgrad, out_dtype
+            )
         num_experts = ends.numel()
         if wgrad:
             num_tokens = int(ends[-1]) if num_experts else 0
-            a = _dequantize_grouped(a_data, a_scale_inv, a_amax, a_quantizer, ends, num_tokens, True)  # (N, T)
-            b = _dequantize_grouped(b_data, b_scale_inv, b_amax, b_quantizer, ends, num_tokens, True)  # (K, T)
-            return _grouped_matmul(a, b.t(), ends).to(out_dtype)
+            multiple = token_multiple(a_quantizer)
+            # Operands padded alike multiply in their padded layout (the padding adds zeros, or,
+            # after a Hadamard transform's inverse, the same noise a padded per-expert GEMM sees);
+            # otherwise both go back to token order.
+            unpad = token_multiple(b_quantizer) != multiple
+            a = _dequantize_grouped(a_data, a_scale_inv, a_amax, a_quantizer, ends, num_tokens, True, unpad)  # (N, Tc)
+            b = _dequantize_grouped(b_data, b_scale_inv, b_amax, b_quantizer, ends, num_tokens, True, unpad)  # (K, Tc)
+            seg_ends = ends if unpad else _padded_ends(ends, multiple)
+            return _grouped_matmul(a, b.t(), seg_ends).to(out_dtype)
         a = _dequantize_grouped(a_data, a_scale_inv, a_amax, a_quantizer, ends, a_data.shape[0], False)  # (T, K)
         n = b_data.shape[0] // max(num_experts, 1)
         w_ends = torch.arange(1, num_experts + 1, device=ends.device, dtype=ends.dtype) * n
@@ -378,7 +394,9 @@ def grouped_gemm_tn(
 
 
 @grouped_gemm_tn.register_fake
-def _grouped_gemm_tn_fake(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, ends, wgrad, out_dtype):
+def _grouped_gemm_tn_fake(
+    a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, ends, wgrad, out_dtype
+):
     num_experts = ends.shape[0]
     if wgrad:
         return a_data.new_empty((num_experts, a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
