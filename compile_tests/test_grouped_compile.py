@@ -1,21 +1,26 @@
-"""A token-choice MoE trained under `torch.compile(fullgraph=True)`: the routing changes every step
-and nothing recompiles.
+"""`tq.nn.GroupedLinear` with tensor `m_splits` under `torch.compile(fullgraph=True)`.
 
-Each step routes the same number of tokens with a new random top-1 choice (one step leaves an
-expert with no tokens), counts them per expert on the device (an int64 tensor, never a Python
-list) and passes the counts to `tq.nn.GroupedLinear` as `m_splits`. Over 8 routings: zero graph
-breaks, one graph, at most one recompile after the first step (measured: none), and every step's
-loss and gradients equal the same step run eagerly, bit for bit (aot_eager).
+A token-choice MoE trained for 8 steps: each step routes the same number of tokens with a new
+random top-1 choice (two steps leave an expert with no tokens), counts them per expert on the
+device (an int64 tensor, never a Python list) and passes the counts as `m_splits`. Zero graph
+breaks, one graph, no recompile, and every step's loss and gradients equal the same step run
+eagerly, bit for bit (aot_eager). Then `amax_group` over two gloo ranks: per-expert amaxes reduced
+over the group, compiled.
 
-Cost on a 2-core CPU: one aot_eager compile per recipe (forward and backward) of a 2-layer MoE.
+Cost on a 2-core CPU: one aot_eager compile per recipe (forward and backward) of a 2-layer MoE,
+and one spawn of two ranks that each compile two forward-only layers.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
+import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -80,5 +85,85 @@ def test_token_choice_moe_compiles_once_for_every_routing(name):
         if i == 0:
             assert counter.frame_count == 1
     assert counter.graph_breaks == 0, counter.break_reasons
-    assert counter.recompiles <= 1 and counter.frame_count <= 2, counter
+    assert counter.recompiles == 0 and counter.frame_count == 1, counter  # the brief allowed one; measured none
     print(f"{name}: {STEPS} routings, {counter}")
+
+
+# --- amax_group: per-expert amaxes all-reduced over the group, two gloo ranks ------------------
+WORLD_SIZE = 2
+
+
+def _rank_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + rank)
+    counts = torch.tensor([16, 0, 48, 32]) if rank == 0 else torch.tensor([32, 16, 0, 48])
+    # Rank 1's tokens are larger, so every expert it serves has a larger amax there.
+    return torch.randn(int(counts.sum()), D, generator=g) * (1.0 + 3.0 * rank), counts
+
+
+def _rank_checks(rank: int, out_dir: str) -> None:
+    from tqcompile.ops import grouped_gemm as gops
+
+    group = dist.group.WORLD
+    x, counts = _rank_data(rank)
+    results = {}
+    for name in ("fp8_tensorwise", "nvfp4"):
+        torch.manual_seed(0)
+        layer = tq.nn.GroupedLinear(E, D, H, recipe=tq.recipes.get(name), amax_group=group)
+        counter = CompileCounter("aot_eager")
+        compiled = torch.compile(layer, backend=counter, fullgraph=True)
+        y = compiled(x, counts)
+        assert counter.graph_breaks == 0 and counter.frame_count == 1, counter
+        # The same GEMM with the amax reduced by hand: what the layer must have used.
+        q = layer.recipe.fprop_input
+        ends = counts.cumsum(0)
+        local = gops.grouped_amax(x, q, ends, False)
+        reduced = local.clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        qx = gops.grouped_quantize(x, q, ends, reduced, None, False)
+        w = layer.weight.detach().reshape(E * H, D)
+        w_ends = torch.arange(1, E + 1) * H
+        w_amax = gops.grouped_amax(w, layer.recipe.fprop_weight, w_ends, False)
+        qw = gops.grouped_quantize(w, layer.recipe.fprop_weight, w_ends, w_amax, None, False)
+        amax_or_none = reduced if name == "nvfp4" else None
+        w_amax_or_none = w_amax if name == "nvfp4" else None
+        expected = gops.grouped_gemm_tn(
+            *qx, amax_or_none, q, *qw, w_amax_or_none, layer.recipe.fprop_weight, ends, False, x.dtype
+        )
+        assert torch.equal(y, expected), f"{name}: y differs from the GEMM with the group-reduced amax"
+        results[name] = {"local": local, "reduced": reduced}
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        _rank_checks(rank, out_dir)
+    except BaseException:
+        # mp.spawn shows only the exception type and message of a failed rank; keep the trace.
+        with open(f"{out_dir}/rank{rank}.error", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amax_group_reduces_per_expert_amaxes(tmp_path):
+    """With `amax_group`, each expert's activation amax is the max over the ranks of that expert's
+    tokens (an (E,) MAX all-reduce, traced under fullgraph=True), and the layer's output is the
+    grouped GEMM quantized with it, bit for bit."""
+    try:
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    except Exception as e:
+        traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
+        raise AssertionError(f"a rank failed:\n{traces or e}") from e
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    for name in ("fp8_tensorwise", "nvfp4"):
+        local = [r[name]["local"] for r in ranks]
+        want = torch.maximum(*local)
+        for r in ranks:
+            assert torch.equal(r[name]["reduced"], want)
+        # Every expert with tokens on rank 0 gets a larger amax from rank 1 (experts 0 and 3).
+        assert (want[[0, 3]] > local[0][[0, 3]]).all() and local[0][1] == 0 and want[1] > 0

@@ -35,8 +35,13 @@ def _nvfp4_no_sr() -> tq.Recipe:
     return dataclasses.replace(r, name="nvfp4_no_sr", dgrad_grad=NVFP4Quantizer(), wgrad_grad=NVFP4Quantizer(hadamard=True))
 
 
+def _mixed_wgrad() -> tq.Recipe:
+    """wgrad operands padded differently (MX 32-blocks against tensorwise FP8, no padding)."""
+    return dataclasses.replace(tq.recipes.mxfp8(), name="mixed_wgrad", wgrad_input=tq.Float8Quantizer())
+
+
 def _recipe(name: str) -> tq.Recipe:
-    return _nvfp4_no_sr() if name == "nvfp4_no_sr" else tq.recipes.get(name)
+    return {"nvfp4_no_sr": _nvfp4_no_sr, "mixed_wgrad": _mixed_wgrad}.get(name, lambda: tq.recipes.get(name))()
 
 
 # Every recipe GroupedLinear takes (fp8_delayed is refused: see test_bad_input), with the block its
@@ -48,6 +53,7 @@ BIT_EXACT = {
     "fp8_blockwise": 128,
     "mxfp8": 32,
     "nvfp4_no_sr": 16,
+    "mixed_wgrad": 32,
 }
 
 
@@ -333,7 +339,7 @@ def test_opcheck_grouped_quantize_and_amax(qname, columnwise, float8_comparable)
     torch.library.opcheck(gops.grouped_quantize, (x, q, ends, amax, None, columnwise))
 
 
-@pytest.mark.parametrize("qname", ["fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4_hadamard"])
+@pytest.mark.parametrize("qname", ["fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4_hadamard", "int4_tensorwise"])
 def test_opcheck_grouped_gemm(qname, float8_comparable):
     q = _OPCHECK_QUANTIZERS[qname]
     g = torch.Generator().manual_seed(8)
