@@ -65,23 +65,35 @@ class _Grouped:
 
     data: torch.Tensor
     scale_inv: torch.Tensor
-    amax: torch.Tensor | None
+    amax: torch.Tensor | None  # per-expert (group-reduced) amax, where the quantizer uses one
     quantizer: Quantizer
 
     def args(self) -> tuple:
-        return self.data, self.scale_inv, self.amax, self.quantizer
+        """(payload, scale_inv, amax, quantizer) for `grouped_gemm_tn`: NVFP4 dequantizes with
+        the amax; FP8/INT tensorwise scales are already per expert."""
+        return self.data, self.scale_inv, self.amax if isinstance(self.quantizer, NVFP4Quantizer) else None, self.quantizer
 
 
-def _quantize_grouped(x: torch.Tensor, q: Quantizer, ends: torch.Tensor, *, columnwise: bool, amax_group: str | None) -> _Grouped:
+def _transformed(q: Quantizer) -> bool:
+    return getattr(q, "hadamard", False)
+
+
+def _quantize_grouped(
+    x: torch.Tensor, q: Quantizer, ends: torch.Tensor, *, columnwise: bool, amax_group: str | None, like: _Grouped | None = None
+) -> _Grouped:
+    """Quantize grouped tokens; `like`, an operand quantized from the same `x`, lends its
+    per-expert amax when neither quantizer transforms (the amax is then the same)."""
     amax = None
     if q.uses_tensor_amax():
-        amax = gops.grouped_amax(x, q, ends, columnwise)
-        if amax_group is not None:
-            amax = all_reduce_amax(amax, amax_group)
+        if like is not None and like.amax is not None and not (_transformed(q) or _transformed(like.quantizer)):
+            amax = like.amax
+        else:
+            amax = gops.grouped_amax(x, q, ends, columnwise)
+            if amax_group is not None:
+                amax = all_reduce_amax(amax, amax_group)
     seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device) if q.needs_seed() else None
     data, scale_inv = gops.grouped_quantize(x, q, ends, amax, seed, columnwise)
-    # NVFP4 dequantizes with the amax; FP8/INT tensorwise scales are already per expert.
-    return _Grouped(data, scale_inv, amax if isinstance(q, NVFP4Quantizer) else None, q)
+    return _Grouped(data, scale_inv, amax, q)
 
 
 def _weight_ends(num_experts: int, rows: int, device: torch.device) -> torch.Tensor:
@@ -116,8 +128,8 @@ class _GroupedLinearFn(torch.autograd.Function):
 
         saved = []
         if backward and ctx.needs_input_grad[1] and r.wgrad_input is not None:
-            qxt = _quantize_grouped(x, r.wgrad_input, ends, columnwise=True, amax_group=amax_group)
-            saved = [qxt.data, qxt.scale_inv, qxt.amax]
+            qxt = _quantize_grouped(x, r.wgrad_input, ends, columnwise=True, amax_group=amax_group, like=qx)
+            saved = list(qxt.args()[:3])
         elif backward and ctx.needs_input_grad[1]:
             saved = [x, None, None]
         else:
@@ -134,7 +146,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         r = a.recipe
         weight, ends, saved_x, saved_scale_inv, saved_amax = ctx.saved_tensors
         num_experts, n, k = weight.shape
-        dx = dw = db = None
+        dx = dw = db = qdy = None
         if ctx.needs_input_grad[0]:
             qdy = _quantize_grouped(dy, r.dgrad_grad, ends, columnwise=False, amax_group=a.amax_group)
             w_t = weight.transpose(1, 2).reshape(num_experts * k, n)
@@ -146,7 +158,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             if a.wgrad_quantizer is None:
                 dw = gops.grouped_mm_wgrad(dy, saved_x, ends, weight.dtype)
             else:
-                qdyt = _quantize_grouped(dy, r.wgrad_grad, ends, columnwise=True, amax_group=a.amax_group)
+                qdyt = _quantize_grouped(dy, r.wgrad_grad, ends, columnwise=True, amax_group=a.amax_group, like=qdy)
                 dw = gops.grouped_gemm_tn(
                     *qdyt.args(), saved_x, saved_scale_inv, saved_amax, a.wgrad_quantizer, ends, True, weight.dtype
                 )
