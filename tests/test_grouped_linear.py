@@ -80,8 +80,8 @@ def _per_expert_loop(experts, x, dy, m_splits, pad_to: int = 1):
     ys, dxs, dws, dbs, start = [], [], [], [], 0
     for e, m in enumerate(m_splits):
         padded = -(-m // pad_to) * pad_to
-        xe = torch.zeros(padded, K).index_copy_(0, torch.arange(m), x[start : start + m]).requires_grad_()
-        dye = torch.zeros(padded, N).index_copy_(0, torch.arange(m), dy[start : start + m])
+        xe = x.new_zeros(padded, K).index_copy_(0, torch.arange(m), x[start : start + m]).requires_grad_()
+        dye = dy.new_zeros(padded, N).index_copy_(0, torch.arange(m), dy[start : start + m])
         we = experts.weight[e].detach().clone().requires_grad_()
         be = None if experts.bias is None else experts.bias[e].detach().clone().requires_grad_()
         ye = tq.nn.linear(xe, we, be, experts.recipe)
@@ -183,6 +183,22 @@ def _per_expert_fprop_dgrad(experts, x, dy, m_splits):
         dxs.append(tq.nn.qgemm(qdy, False, qw, True, x.dtype))
         start += m
     return torch.cat(ys), torch.cat(dxs)
+
+
+@pytest.mark.parametrize("name", ["fp8_rowwise_hp_wgrad", "mxfp8"])
+def test_bf16_autocast_equals_per_expert_loop(name):
+    """bf16 weights and tokens under bf16 autocast (how models train): still the loop's bits,
+    the high-precision bf16 wgrad included."""
+    torch.manual_seed(0)
+    experts = tq.nn.GroupedLinear(E, K, N, bias=True, recipe=tq.recipes.get(name), dtype=torch.bfloat16)
+    m_splits = [32, 0, 64, 32]
+    x, dy = (t.bfloat16() for t in _data(sum(m_splits), seed=9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _step(experts, x, dy, torch.tensor(m_splits))
+        ref = _per_expert_loop(experts, x, dy, m_splits)
+    for what, g, r in zip(("y", "dx", "dW"), got, ref):
+        assert g.dtype == torch.bfloat16
+        assert_bitwise_equal(g, r, what)
 
 
 @pytest.mark.parametrize("name", ["fp8_blockwise", "mxfp8", "nvfp4_no_sr", "fp8_rowwise"])

@@ -29,9 +29,9 @@ element math, so the numerics are exactly a per-expert `tq.quantize` / `gemm_tn`
 kernel. Data-dependent slicing happens only inside the real kernels, which are opaque to the
 compiler.
 
-GEMMs: `torch._grouped_mm` runs on CPU in torch 2.13 (fp32 and bf16; every stride a multiple of
-16 bytes) and equals one matmul per expert bit for bit there, so the emulation (dequantize to
-fp32, grouped matmul) uses it. `torch._scaled_grouped_mm` has no CPU kernel in torch 2.13 (CUDA
+GEMMs: `torch._grouped_mm` runs on CPU in torch 2.13 (every stride a multiple of 16 bytes) and,
+in fp32, equals one matmul per expert bit for bit there, so the emulation (dequantize to fp32,
+grouped matmul) uses it. `torch._scaled_grouped_mm` has no CPU kernel in torch 2.13 (CUDA
 only: SM90+, E4M3 operands with rowwise fp32 scales, bf16 output, K and N multiples of 16); on
 CPU the FP8 tensorwise/rowwise GEMMs run one `torch._scaled_mm` per expert inside the kernel, as
 `tq.nn.linear` does, so they equal the per-expert loop bit for bit. Not wired to CUDA yet: this
@@ -283,10 +283,11 @@ def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> tor
     """`torch._grouped_mm(a, b, offs=ends)` semantics: a (T, K) @ b (E, K, N) -> (T, N) with
     token segments, or a (N, T) @ b (T, K) -> (E, N, K) with segments along T.
 
-    `torch._grouped_mm` on CPU (bit for bit one matmul per expert there; it wants 16-byte
-    strides, hence `_aligned`); elsewhere one matmul per expert (the CUDA kernel wants bf16)."""
+    `torch._grouped_mm` for fp32 on CPU (bit for bit one matmul per expert there; it wants
+    16-byte strides, hence `_aligned`); otherwise one matmul per expert: measured on CPU, its bf16
+    path differs from a bf16 matmul in the last bit, and its CUDA kernel takes bf16 only."""
     num_experts = ends.numel()
-    if a.device.type == "cpu" and num_experts and a.dtype in (torch.float32, torch.bfloat16):
+    if a.device.type == "cpu" and num_experts and a.dtype is torch.float32:
         out_cols = b.shape[-1]
         if out_cols * a.element_size() % 16 == 0 and a.shape[-1] > 0:
             return torch._grouped_mm(_aligned(a), _aligned(b.transpose(-2, -1)).transpose(-2, -1), offs=ends.to(torch.int32))
