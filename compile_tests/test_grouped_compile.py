@@ -4,7 +4,7 @@ A token-choice MoE trained for 8 steps: each step routes the same number of toke
 random top-1 choice (two steps leave an expert with no tokens), counts them per expert on the
 device (an int64 tensor, never a Python list) and passes the counts as `m_splits`. Zero graph
 breaks, one graph, no recompile, and every step's loss and gradients equal the same step run
-eagerly, bit for bit (aot_eager). Then `amax_group` over two gloo ranks: per-expert amaxes reduced
+eagerly, bit for bit (aot_eager). A changing token count recompiles once. Then `amax_group` over two gloo ranks: per-expert amaxes reduced
 over the group, compiled.
 
 Cost on a 2-core CPU: one aot_eager compile per recipe (forward and backward) of a 2-layer MoE,
@@ -29,6 +29,16 @@ from tqcompile.testing.compile import CompileCounter
 
 E, D, H, T = 4, 64, 128, 96
 STEPS = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small tensors: one thread is as fast on an idle 2-core machine, and far faster on a busy one
+    # (as in test_training_compile.py).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 class TokenChoiceMoE(nn.Module):
@@ -87,6 +97,21 @@ def test_token_choice_moe_compiles_once_for_every_routing(name):
     assert counter.graph_breaks == 0, counter.break_reasons
     assert counter.recompiles == 0 and counter.frame_count == 1, counter  # the brief allowed one; measured none
     print(f"{name}: {STEPS} routings, {counter}")
+
+
+def test_changing_token_count_recompiles_once():
+    """Token dropping or a last short batch changes T: Dynamo recompiles once with T symbolic
+    (the padded wgrad length is a SymInt expression of T), then never again."""
+    torch.manual_seed(0)
+    layer = tq.nn.GroupedLinear(E, D, D, recipe=tq.recipes.mxfp8())
+    counter = CompileCounter("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    for t in (40, 56, 72, 90):
+        x, counts = torch.randn(t, D, requires_grad=True), torch.tensor([t - 30, 10, 0, 20])
+        y = compiled(x, counts)
+        y.sum().backward()
+        assert torch.equal(y.detach(), layer(x.detach(), counts)), f"T={t}"
+    assert counter.graph_breaks == 0 and counter.frame_count == 2 and counter.recompiles == 1, counter
 
 
 # --- amax_group: per-expert amaxes all-reduced over the group, two gloo ranks ------------------
