@@ -22,7 +22,8 @@ Two layouts of a grouped operand (payload, scale_inv, amax):
 Cost of the padding: at most E*(block-1) extra token columns in each wgrad operand, i.e. for
 E=8 experts, 8*31 = 248 extra columns for MXFP8 and 8*127 = 1016 for FP8 1x128 blocks, each
 column C bytes of payload (C/2 for FP4) plus its scales, and in the wgrad GEMM's reduction up to
-block-1 extra (zero) tokens per expert, as a per-expert GEMM on padded operands would have.
+block-1 extra (zero) tokens per expert, as a per-expert GEMM on padded operands would have. The
+quantize op also builds the padded transpose in high precision, a transient (C, Tc) buffer.
 
 Every op here has a reference kernel in plain torch (`tqcompile.kernels.reference` does the
 element math, so the numerics are exactly a per-expert `tq.quantize` / `gemm_tn`'s) and a fake
@@ -34,8 +35,10 @@ in fp32, equals one matmul per expert bit for bit there, so the emulation (dequa
 grouped matmul) uses it. `torch._scaled_grouped_mm` has no CPU kernel in torch 2.13 (CUDA
 only: SM90+, E4M3 operands with rowwise fp32 scales, bf16 output, K and N multiples of 16); on
 CPU the FP8 tensorwise/rowwise GEMMs run one `torch._scaled_mm` per expert inside the kernel, as
-`tq.nn.linear` does, so they equal the per-expert loop bit for bit. Not wired to CUDA yet: this
-module was written without a GPU; the CUDA dispatch would go in `_scaled_family_gemm`.
+`tq.nn.linear` does, so they equal the per-expert loop bit for bit. On CUDA the same plain-torch
+kernels run (per-expert `gemm_tn`, per-expert matmuls, a host sync for the segment bounds);
+`torch._scaled_grouped_mm` is not wired in yet, as no GPU was available to test it: it would go
+in `_scaled_family_gemm`.
 """
 
 from __future__ import annotations
