@@ -16,6 +16,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import tqcompile as tq
 from tqcompile.ops import grouped_gemm as gops
@@ -177,7 +179,7 @@ def _per_expert_fprop_dgrad(experts, x, dy, m_splits):
     for e, m in enumerate(m_splits):
         w = experts.weight[e].detach()
         with torch.no_grad():
-            ys.append(tq.nn.linear(x[start : start + m], w, experts.bias[e].detach(), r))
+            ys.append(tq.nn.linear(x[start : start + m], w, None if experts.bias is None else experts.bias[e].detach(), r))
         qdy = tq.quantize(dy[start : start + m], r.dgrad_grad)
         qw = tq.quantize(w, r.dgrad_weight, rowwise=False, columnwise=True)
         dxs.append(tq.nn.qgemm(qdy, False, qw, True, x.dtype))
@@ -220,6 +222,23 @@ def test_uneven_m_splits_are_padded_inside(name):
         assert_bitwise_equal(dx, ref_dx, "dx")
         assert_bitwise_equal(dw, ref_dw, "dW")
         _assert_bias_grad(db, ref_db, dy, m_splits)
+
+
+@settings(max_examples=12)
+@given(
+    name=st.sampled_from(list(BIT_EXACT)), counts=st.lists(st.integers(0, 70), min_size=E, max_size=E), seed=st.integers(0, 2**16)
+)
+def test_any_counts_equal_the_padded_loop(name, counts, seed):
+    """Property: for any counts (zeros, single tokens, all tokens on one expert), y and dx equal the
+    per-expert GEMMs and dW the zero-padded per-expert loop, bit for bit."""
+    assume(sum(counts) > 0)
+    experts = _experts(name)
+    x, dy = _data(sum(counts), seed=seed)
+    y, dx, dw = _step(experts, x, dy, torch.tensor(counts))
+    ref_y, ref_dx = _per_expert_fprop_dgrad(experts, x, dy, counts)
+    assert_bitwise_equal(y, ref_y, "y")
+    assert_bitwise_equal(dx, ref_dx, "dx")
+    assert_bitwise_equal(dw, _per_expert_loop(experts, x, dy, counts, pad_to=BIT_EXACT[name])[2], "dW")
 
 
 def test_nvfp4_stochastic_rounding_matches_the_loop_by_sqnr():
