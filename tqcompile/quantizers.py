@@ -110,29 +110,58 @@ class Quantizer(OpaqueBase):
     # --- shapes ------------------------------------------------------------------------
     def check_shape(self, shape: tuple[int, ...] | torch.Size) -> None:
         """Raise a ValueError, naming the padding needed, if `shape` cannot be quantized."""
+        problem = self.shape_error(shape)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def shape_error(self, shape: tuple[int, ...] | torch.Size) -> str | None:
+        """Why `shape` cannot be quantized (naming the padding needed), or None if it can.
+
+        `check_shape` raises this message; code traced by torch.compile asks for it instead, since
+        Dynamo cannot hand a raised exception to the user (see docs/training.md)."""
         gran, axis, block = self.layout()
         shape = tuple(shape)
         name = type(self).__name__
         if gran is Granularity.ROWWISE:
             if len(shape) == 0:
-                raise ValueError(f"{name} ROWWISE needs a tensor with at least 1 dim, got a 0-dim tensor")
+                return f"{name} ROWWISE needs a tensor with at least 1 dim, got a 0-dim tensor"
             if not -len(shape) <= axis < len(shape):
-                raise ValueError(f"{name}: axis={axis} is out of range for a {len(shape)}-dim tensor of shape {shape}")
+                return f"{name}: axis={axis} is out of range for a {len(shape)}-dim tensor of shape {shape}"
         if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D):
             need = 1 if gran is Granularity.BLOCKWISE_1D else 2
             if len(shape) < need:
-                raise ValueError(f"{name} {gran.name} (block {block}) needs at least {need} dims, got shape {shape}")
+                return f"{name} {gran.name} (block {block}) needs at least {need} dims, got shape {shape}"
             for d in range(len(shape) - need, len(shape)):
                 if shape[d] % block:
                     padded = math.ceil(shape[d] / block) * block
-                    raise ValueError(
+                    return (
                         f"{name}: dim {d} of shape {shape} is {shape[d]}, not a multiple of the block size {block}; "
                         f"pad it with {padded - shape[d]} zeros to {padded} (e.g. torch.nn.functional.pad)"
                     )
         if self.element_format().bits == 4 and (len(shape) == 0 or shape[-1] % 2):
-            raise ValueError(f"{name}: 4-bit payloads pack two elements a byte; the last dim must be even, got shape {shape}")
+            return f"{name}: 4-bit payloads pack two elements a byte; the last dim must be even, got shape {shape}"
         if getattr(self, "hadamard", False) and shape[-1] % 16:
-            raise ValueError(f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}")
+            return f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}"
+        return None
+
+    def padded_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...] | None:
+        """The smallest shape at least `shape` (zero padding at the end of dims) that passes
+        `check_shape`, or None where no padding helps (too few dims, an axis out of range)."""
+        gran, _, block = self.layout()
+        shape = tuple(shape)
+        if not shape or (gran is Granularity.BLOCKWISE_2D and len(shape) < 2):
+            return None
+        last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
+        if self.element_format().bits == 4:
+            last = math.lcm(last, 2)
+        if getattr(self, "hadamard", False):
+            last = math.lcm(last, 16)
+        units = [1] * len(shape)
+        units[-1] = last
+        if gran is Granularity.BLOCKWISE_2D:
+            units[-2] = block
+        padded = tuple(-(-d // u) * u for d, u in zip(shape, units))
+        return padded if self.shape_error(padded) is None else None
 
     def scale_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
         """Shape of the scale tensor for a tensor of `shape` (`check_shape` must pass)."""
