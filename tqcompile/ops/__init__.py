@@ -2,6 +2,7 @@
 them without running them, and a reference kernel (`tqcompile.kernels.reference`) that defines
 the numerics."""
 
+from tqcompile.ops.errors import raise_error, static_shape
 from tqcompile.ops.gemm import amax_history_update, gemm_tn
 from tqcompile.ops.grouped_gemm import grouped_amax, grouped_gemm_tn, grouped_mm_wgrad, grouped_quantize
 from tqcompile.ops.quantize import amax, dequantize, quantize
@@ -16,4 +17,6 @@ __all__ = [
     "grouped_quantize",
     "grouped_gemm_tn",
     "grouped_mm_wgrad",
+    "raise_error",
+    "static_shape",
 ]
