@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tqcompile.kernels import reference
+from tqcompile.ops.inductor import register_inductor_decompositions
 from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
 
 
@@ -60,15 +61,21 @@ def gemm_tn(
     # fp32 emulation's matmul (and CPU `_scaled_mm`, which matmuls inside) bf16, and differ from the
     # compiled graph, whose kernels run without it.
     with torch.autocast(a_data.device.type, enabled=False):
-        if _scaled_mm_applies(a_data, a_quantizer, b_data, b_quantizer, out_dtype):
-            return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
-        a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
-        b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)
-        return (a @ b.t()).to(out_dtype)
+        return gemm_tn_reference(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype)
+
+
+def gemm_tn_reference(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype) -> torch.Tensor:
+    """The kernel of `gemm_tn` in plain torch (also what inductor traces, see `tqcompile.ops.inductor`)."""
+    if _scaled_mm_applies(a_data, a_quantizer, b_data, b_quantizer, out_dtype):
+        return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
+    a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
+    b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)
+    return (a @ b.t()).to(out_dtype)
 
 
 @gemm_tn.register_fake
 def _gemm_tn_fake(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype):
+    register_inductor_decompositions()
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
