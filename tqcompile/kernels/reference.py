@@ -141,7 +141,7 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     for i, t in enumerate(_E2M1_THRESHOLDS):
         # A tie goes to the even code: up from an odd code i, down from an even one.
         up = (mag >= t) if i % 2 == 1 else (mag > t)
-        code += up.to(torch.uint8)
+        code = code + up.to(torch.uint8)  # out of place: inductor traces this function (ops/inductor.py)
     return code | _e2m1_sign(v)
 
 
