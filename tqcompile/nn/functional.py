@@ -17,7 +17,9 @@ import dataclasses
 import torch
 
 from tqcompile import ops
-from tqcompile.api import SUPPORTED_DTYPES, quantize
+from tqcompile.api import quantize
+from tqcompile.nn._checks import linear_input_error
+from tqcompile.ops.errors import raise_error
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 
@@ -117,14 +119,12 @@ def linear(
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"linear: recipe must be a tq.Recipe (e.g. tq.recipes.fp8_tensorwise()), got {type(recipe).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16")
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"linear: input last dim {x.shape[-1]} does not match weight in_features {weight.shape[-1]}")
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    reason = recipe.unsupported_reason(weight.shape[-1], weight.shape[0], x.numel() // max(x.shape[-1], 1), backward=backward)
-    if reason:
-        raise ValueError(f"linear: recipe {recipe.name!r} cannot serve this call: {reason}")
+    error = linear_input_error(x, weight, recipe, backward)
+    if error is not None:
+        # Raises now in eager mode; under torch.compile, when the compiled code runs, so the user
+        # sees this message rather than Dynamo's "Observed exception" (tqcompile.ops.errors).
+        return raise_error(*error, like=x, shape=(*x.shape[:-1], weight.shape[0]))
     if recipe.amax_history_len and amax_histories is None:
         raise ValueError(f"linear: recipe {recipe.name!r} uses delayed scaling; pass amax_histories (tq.nn.Linear owns them)")
     hist_x, hist_w, hist_dy = amax_histories if recipe.amax_history_len else (None, None, None)
