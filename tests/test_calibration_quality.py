@@ -213,7 +213,9 @@ def test_grouped_linear_per_expert_and_channel_and_token_splits():
     tq.calibrate(moe, tq.configs.int8(), lambda m: m(x, [6, 6, 6, 6]), progress=False)
     amax = moe.experts.weight_quantizer.amax
     assert amax.shape == (4, 64, 1) and torch.equal(amax, moe.experts.weight.abs().amax(-1, keepdim=True))
-    assert moe(x, [6, 6, 6, 6]).shape == (24, 64)
+    y = moe(x, [6, 6, 6, 6])
+    assert y.shape == (24, 64)
+    assert torch.equal(moe(x, torch.tensor([6, 6, 6, 6])), y)  # counts as a tensor, as tq.nn.GroupedLinear takes them
 
 
 def test_an_expert_without_tokens_gets_the_max_of_the_others():

@@ -25,7 +25,7 @@ from torch import nn
 
 from tqcompile.calibration.config import QuantConfig, QuantRule
 from tqcompile.formats import Format
-from tqcompile.nn.linear import GroupedLinear
+from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
 __all__ = ["int8", "int4_weight_only", "fp8", "mxfp8", "nvfp4", "default_disabled", "GEMM_LAYERS"]

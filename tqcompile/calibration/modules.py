@@ -21,7 +21,7 @@ from torch import nn
 
 from tqcompile.calibration.config import SLOTS
 from tqcompile.calibration.fake_quant import TensorQuantizer
-from tqcompile.nn.linear import GroupedLinear
+from tqcompile.nn.grouped import GroupedLinear
 
 __all__ = [
     "FakeQuantModule",
@@ -61,7 +61,7 @@ class _ConvFQ(FakeQuantModule):
 
 
 class _GroupedLinearFQ(FakeQuantModule):
-    def forward(self, x: torch.Tensor, m_splits: list[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m_splits: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         if m_splits is None:
             if x.dim() != 3 or x.shape[0] != self.num_experts:
                 raise ValueError(
@@ -69,11 +69,16 @@ class _GroupedLinearFQ(FakeQuantModule):
                 )
             chunks = x.unbind(0)
         else:
-            if len(m_splits) != self.num_experts or sum(m_splits) != x.shape[0]:
+            # A tensor of counts becomes Python ints here: each expert's tokens get that expert's
+            # static input amax. (Under torch.compile that is a data-dependent split; compiled QAT
+            # of MoE layers should pass the dense (experts, tokens, in) form.)
+            splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+            if x.dim() != 2 or len(splits) != self.num_experts or sum(splits) != x.shape[0]:
                 raise ValueError(
-                    f"GroupedLinear: m_splits={m_splits} must have {self.num_experts} entries summing to x.shape[0]={x.shape[0]}"
+                    f"GroupedLinear: m_splits={splits} must have {self.num_experts} entries summing to the tokens of x, "
+                    f"of shape (tokens, {self.in_features}); got x of shape {tuple(x.shape)}"
                 )
-            chunks = x.split(m_splits, 0)
+            chunks = x.split(splits, 0)
         w = self.weight_quantizer(self.weight)
         outs = [
             self.output_quantizer(F.linear(self.input_quantizer(c, expert=e), w[e], None if self.bias is None else self.bias[e]))
