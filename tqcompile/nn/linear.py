@@ -130,6 +130,8 @@ class Linear(_Quantized, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Histories roll in training mode only (in the backward of each step; see `tq.nn.functional.linear`).
+        # Read `training` only where it matters, so Dynamo guards on it only for delayed-scaling recipes.
+        update = self.training if self.recipe.amax_history_len else True
         return linear(
             x,
             self.weight,
@@ -137,7 +139,7 @@ class Linear(_Quantized, nn.Linear):
             self.recipe,
             amax_group=self.amax_group_name,
             amax_histories=self._histories(),
-            update_amax_histories=self.training,
+            update_amax_histories=update,
         )
 
 
