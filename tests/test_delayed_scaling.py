@@ -36,14 +36,20 @@ SCALES = (4.0, 1.0, 0.25, 2.0)
 
 
 class Block(nn.Module):
-    """Two linears, optionally run under activation checkpointing."""
+    """Two linears ("mlp"), or torch's encoder layer, whose converted attention owns histories too
+    ("encoder"), optionally run under activation checkpointing."""
 
-    def __init__(self, checkpointing: str | None = None) -> None:
+    def __init__(self, checkpointing: str | None = None, kind: str = "mlp") -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        if kind == "mlp":
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        else:
+            self.encoder = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
         self.checkpointing = checkpointing  # None, "reentrant" or "non-reentrant"
 
     def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "encoder"):
+            return self.encoder(x.view(2, -1, 32)).view(x.shape)
         return self.down(torch.relu(self.up(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,9 +58,9 @@ class Block(nn.Module):
         return checkpoint.checkpoint(self._inner, x, use_reentrant=self.checkpointing == "reentrant")
 
 
-def delayed_block(checkpointing: str | None = None, hist_len: int = HIST_LEN) -> Block:
+def delayed_block(checkpointing: str | None = None, hist_len: int = HIST_LEN, kind: str = "mlp") -> Block:
     torch.manual_seed(0)
-    block = Block(checkpointing)
+    block = Block(checkpointing, kind)
     tq.convert(block, tq.recipes.fp8_delayed(hist_len))
     return block
 
@@ -84,10 +90,11 @@ def train_steps(model: nn.Module, run=None, steps: int = len(SCALES)) -> list:
 # ---------------------------------------------------------------------------------------------
 # Activation checkpointing
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mlp", "encoder"])
 @pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
-def test_activation_checkpointing_equals_no_checkpointing(mode):
-    expected = train_steps(delayed_block())
-    actual = train_steps(delayed_block(mode))
+def test_activation_checkpointing_equals_no_checkpointing(mode, kind):
+    expected = train_steps(delayed_block(kind=kind))
+    actual = train_steps(delayed_block(mode, kind=kind))
     for step, (a, e) in enumerate(zip(actual, expected)):
         assert_bitwise_equal(a, e, f"{mode} step {step}")
 
@@ -151,8 +158,9 @@ def test_training_mode_forward_without_backward_does_not_roll():
     assert_bitwise_equal(histories(model), before)
 
 
-def test_a_validation_pass_does_not_change_training():
-    plain, validated = delayed_block(), delayed_block()
+@pytest.mark.parametrize("kind", ["mlp", "encoder"])
+def test_a_validation_pass_does_not_change_training(kind):
+    plain, validated = delayed_block(kind=kind), delayed_block(kind=kind)
     expected = train_steps(plain)
     g = torch.Generator().manual_seed(1)
     for step in range(len(SCALES)):
@@ -268,12 +276,15 @@ def _save_load(state: dict) -> dict:
     return torch.load(buf, weights_only=True)
 
 
-def test_histories_are_saved_and_restored():
-    model = delayed_block()
+@pytest.mark.parametrize("kind", ["mlp", "encoder"])
+def test_histories_are_saved_and_restored(kind):
+    model = delayed_block(kind=kind)
     train_steps(model, steps=2)
     state = _save_load(model.state_dict())
-    assert {k for k in state if "amax_history" in k} == {f"{m}.{h}" for m in ("up", "down") for h in HISTORIES}
-    resumed = delayed_block()
+    assert {k for k in state if "amax_history" in k} == set(histories(model))
+    if kind == "mlp":
+        assert set(histories(model)) == {f"{m}.{h}" for m in ("up", "down") for h in HISTORIES}
+    resumed = delayed_block(kind=kind)
     resumed.load_state_dict(state)
     assert_bitwise_equal(histories(resumed), histories(model))
     # A resumed run continues exactly as the uninterrupted one.
@@ -285,14 +296,16 @@ def test_histories_are_saved_and_restored():
     assert_bitwise_equal(histories(resumed), histories(model))
 
 
-def test_an_nn_linear_checkpoint_loads_strictly_with_zero_histories():
+@pytest.mark.parametrize("kind", ["mlp", "encoder"])
+def test_an_unconverted_checkpoint_loads_strictly_with_zero_histories(kind):
     torch.manual_seed(0)
-    plain = Block()
+    plain = Block(kind=kind)
     state = _save_load(plain.state_dict())
-    model = delayed_block()
+    model = delayed_block(kind=kind)
     _first_step(model)  # histories non-zero: loading must reset them to the start value
     result = model.load_state_dict(state, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
+    assert len(histories(model)) == (6 if kind == "mlp" else 21)  # encoder: 4 linears, 3 self-attention in-projection
     assert all(torch.equal(h, torch.zeros(HIST_LEN)) for h in histories(model).values())
     assert_bitwise_equal({k: v for k, v in model.state_dict().items() if "amax_history" not in k}, plain.state_dict())
     # The same first step as a freshly converted copy of the plain model.

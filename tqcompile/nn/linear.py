@@ -9,6 +9,7 @@ from torch import nn
 
 from tqcompile.distributed.groups import group_name_of
 from tqcompile.nn.functional import linear
+from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
 __all__ = ["Linear", "GroupedLinear", "grouped_unsupported_reason"]
@@ -31,18 +32,9 @@ def grouped_unsupported_reason(recipe: Recipe, in_features: int, out_features: i
     return recipe.unsupported_reason(in_features, out_features)
 
 
-class _Quantized:
-    """What every quantized linear module has: a recipe, an amax group, delayed-scaling buffers.
-
-    Delayed-scaling histories are library-owned state with three rules, kept here for every module:
-
-    - always fp32: float casts of the module (`.to(torch.bfloat16)`, `.half()`, `.double()`) move them
-      to the new device but keep their dtype and values (`_apply`);
-    - never uninitialised: materialising them from the meta device (`to_empty`) zeroes them, and
-      `reset_parameters` zeroes them; zeros are the first-step state (scale from the current amax);
-    - persistent, yet an `nn.Linear` checkpoint without them still loads: missing histories load as
-      zeros (`_load_from_state_dict`).
-    """
+class _Quantized(_AmaxHistoryOwner):
+    """What every quantized linear module has: a recipe, an amax group, delayed-scaling histories
+    (fp32, initialised, persistent: see `tqcompile.nn.histories`)."""
 
     recipe: Recipe
     amax_group_name: str | None
@@ -50,57 +42,11 @@ class _Quantized:
     def _init_quantized(self, recipe: Recipe, amax_group=None) -> None:
         self.recipe = recipe
         self.amax_group_name = group_name_of(amax_group)
-        device = self.weight.device
         for name in _HISTORIES:
-            hist = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device) if recipe.amax_history_len else None
-            self.register_buffer(name, hist)
+            self._register_amax_history(name, recipe.amax_history_len, self.weight.device)
 
     def _histories(self):
         return tuple(getattr(self, n) for n in _HISTORIES) if self.recipe.amax_history_len else None
-
-    def reset_amax_histories(self) -> None:
-        """Zero the delayed-scaling histories: the next step scales from its current amaxes, as a first step does."""
-        for name in _HISTORIES:
-            hist = self._buffers.get(name)
-            if hist is not None and not hist.is_meta:
-                with torch.no_grad():
-                    hist.zero_()
-
-    def _apply(self, fn, recurse=True):
-        before = {name: self._buffers[name] for name in _HISTORIES if self._buffers.get(name) is not None}
-        result = super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if old.is_meta and not new.is_meta:
-                # Materialised from meta (`to_empty`): its memory is uninitialised; start at the first step.
-                self._buffers[name] = torch.zeros(old.shape, dtype=torch.float32, device=new.device)
-            elif new.dtype != torch.float32:
-                # A float cast of the model: amaxes stay fp32 (a bf16 history would round them and give
-                # bf16 scales); take the values from the fp32 original, on the new device.
-                self._buffers[name] = old.to(device=new.device)
-        return result
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        keys = [prefix + name for name in _HISTORIES if self._buffers.get(name) is not None]
-        if keys and not any(k in state_dict for k in keys):
-            # A checkpoint without delayed-scaling state (an nn.Linear's, or a current-scaling layer's):
-            # the histories start as on a fresh layer. (`load_state_dict` passes its own copy of the dict.)
-            weight = state_dict.get(prefix + "weight")
-            on_weight = isinstance(weight, torch.Tensor) and not weight.is_meta
-            device = weight.device if on_weight else self._buffers[_HISTORIES[0]].device
-            for k in keys:
-                state_dict[k] = torch.zeros(self.recipe.amax_history_len, dtype=torch.float32, device=device)
-        for k in keys:
-            v = state_dict.get(k)
-            if isinstance(v, torch.Tensor) and v.shape != (self.recipe.amax_history_len,):
-                error_msgs.append(
-                    f"{k}: the checkpoint holds an amax history of shape {tuple(v.shape)}; this layer's recipe "
-                    f"{self.recipe.name!r} keeps ({self.recipe.amax_history_len},) (amax_history_len={self.recipe.amax_history_len})"
-                )
-                state_dict.pop(k)
-            elif isinstance(v, torch.Tensor) and v.dtype != torch.float32:
-                state_dict[k] = v.float()  # histories are fp32 (a `load_state_dict(assign=True)` would keep the dtype)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
