@@ -1,8 +1,6 @@
-"""`tq.nn.Linear` and `tq.nn.GroupedLinear`: quantized drop-ins for training."""
+"""`tq.nn.Linear`: the quantized drop-in for training. (`GroupedLinear` lives in `tqcompile.nn.grouped`.)"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -12,7 +10,7 @@ from tqcompile.nn.functional import linear
 from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
-__all__ = ["Linear", "GroupedLinear", "grouped_unsupported_reason"]
+__all__ = ["Linear"]
 
 _HISTORIES = ("amax_history_input", "amax_history_weight", "amax_history_grad")
 
@@ -23,13 +21,6 @@ def _check_recipe(recipe: Recipe, in_features: int, out_features: int, what: str
     reason = recipe.unsupported_reason(in_features, out_features)
     if reason:
         raise ValueError(f"{what}: recipe {recipe.name!r} cannot serve in_features={in_features}, out_features={out_features}: {reason}")
-
-
-def grouped_unsupported_reason(recipe: Recipe, in_features: int, out_features: int) -> str | None:
-    """Why `recipe` cannot serve a GroupedLinear of these sizes (None if it can)."""
-    if recipe.amax_history_len:
-        return "it uses delayed scaling, whose one amax history per layer per-expert scales cannot use; use a current-scaling recipe"
-    return recipe.unsupported_reason(in_features, out_features)
 
 
 class _Quantized(_AmaxHistoryOwner):
@@ -89,53 +80,11 @@ class Linear(_Quantized, nn.Linear):
         )
 
 
-class GroupedLinear(_Quantized, nn.Module):
-    """MoE experts: one (out_features, in_features) weight per expert, each with its own scales.
+def __getattr__(name: str):
+    # GroupedLinear moved to tqcompile.nn.grouped (which imports this module); the old import path
+    # `from tqcompile.nn.linear import GroupedLinear` keeps working through this lazy lookup.
+    if name in ("GroupedLinear", "grouped_unsupported_reason"):
+        from tqcompile.nn import grouped
 
-    `forward(x)` takes tokens grouped by expert, either as a dense (num_experts, tokens, in)
-    tensor (static shapes, what compiled MoE dispatch with a fixed capacity produces) or as
-    (total_tokens, in) with `m_splits`, a list of per-expert token counts (Python ints).
-
-    Example:
-        >>> experts = tq.nn.GroupedLinear(4, 64, 128, recipe=tq.recipes.fp8_rowwise())
-        >>> y = experts(torch.randn(4, 32, 64))          # (4, 32, 128)
-    """
-
-    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None, *, recipe: Recipe, amax_group=None):
-        super().__init__()
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"GroupedLinear: num_experts={num_experts!r}; allowed: an int >= 1")
-        _check_recipe(recipe, in_features, out_features, "tq.nn.GroupedLinear")
-        reason = grouped_unsupported_reason(recipe, in_features, out_features)
-        if reason:
-            raise ValueError(f"tq.nn.GroupedLinear: recipe {recipe.name!r} cannot serve {num_experts} experts {in_features} -> {out_features}: {reason}")
-        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(num_experts, out_features, device=device, dtype=dtype)) if bias else None
-        self.reset_parameters()
-        self._init_quantized(recipe, amax_group)
-
-    def reset_parameters(self) -> None:
-        for e in range(self.num_experts):
-            nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -1 / math.sqrt(self.in_features), 1 / math.sqrt(self.in_features))
-
-    def forward(self, x: torch.Tensor, m_splits: list[int] | None = None) -> torch.Tensor:
-        if m_splits is None:
-            if x.dim() != 3 or x.shape[0] != self.num_experts:
-                raise ValueError(f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, got {tuple(x.shape)}")
-            chunks = x.unbind(0)
-        else:
-            if len(m_splits) != self.num_experts or sum(m_splits) != x.shape[0]:
-                raise ValueError(f"GroupedLinear: m_splits={m_splits} must have {self.num_experts} entries summing to x.shape[0]={x.shape[0]}")
-            chunks = x.split(m_splits, 0)
-        # One quantized linear per expert: every expert's weight and tokens get their own scales.
-        outs = [
-            linear(chunk, self.weight[e], None if self.bias is None else self.bias[e], self.recipe, amax_group=self.amax_group_name)
-            for e, chunk in enumerate(chunks)
-        ]
-        return torch.stack(outs) if m_splits is None else torch.cat(outs)
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}"
+        return getattr(grouped, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
