@@ -20,6 +20,22 @@ def _transformed(q: Quantizer) -> bool:
     return isinstance(q, NVFP4Quantizer) and q.hadamard
 
 
+def _check_amax_history(amax_history, quantizer: Quantizer) -> None:
+    if not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
+        raise ValueError(
+            f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}"
+        )
+    if not isinstance(amax_history, torch.Tensor):
+        raise TypeError(f"tq.quantize: amax_history must be a 1-D torch.float32 tensor, got {type(amax_history).__name__}")
+    # An integer history would truncate the amaxes written into it, a bf16/fp16 one round them and give
+    # low-precision scales: scales are computed in fp32 from fp32 amaxes.
+    if amax_history.dtype != torch.float32 or amax_history.dim() != 1 or amax_history.numel() == 0:
+        raise ValueError(
+            f"tq.quantize: amax_history has dtype {amax_history.dtype} and shape {tuple(amax_history.shape)}; allowed: "
+            "a non-empty 1-D torch.float32 tensor (e.g. torch.zeros(16))"
+        )
+
+
 def quantize(
     x: torch.Tensor,
     quantizer: Quantizer,
@@ -97,8 +113,8 @@ def quantize(
     elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
         raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
 
-    if amax_history is not None and not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
-        raise ValueError(f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}")
+    if amax_history is not None:
+        _check_amax_history(amax_history, quantizer)
     group_name = group_name_of(amax_group)
     if amax is not None:
         _check_static_amax(x, quantizer, amax, columnwise, amax_history)

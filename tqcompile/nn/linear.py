@@ -7,6 +7,7 @@ from torch import nn
 
 from tqcompile.distributed.groups import group_name_of
 from tqcompile.nn.functional import linear
+from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
 __all__ = ["Linear"]
@@ -22,8 +23,9 @@ def _check_recipe(recipe: Recipe, in_features: int, out_features: int, what: str
         raise ValueError(f"{what}: recipe {recipe.name!r} cannot serve in_features={in_features}, out_features={out_features}: {reason}")
 
 
-class _Quantized:
-    """What every quantized linear module has: a recipe, an amax group, delayed-scaling buffers."""
+class _Quantized(_AmaxHistoryOwner):
+    """What every quantized linear module has: a recipe, an amax group, delayed-scaling histories
+    (fp32, initialised, persistent: see `tqcompile.nn.histories`)."""
 
     recipe: Recipe
     amax_group_name: str | None
@@ -31,11 +33,8 @@ class _Quantized:
     def _init_quantized(self, recipe: Recipe, amax_group=None) -> None:
         self.recipe = recipe
         self.amax_group_name = group_name_of(amax_group)
-        device = self.weight.device
         for name in _HISTORIES:
-            # Non-persistent: the state_dict keeps exactly nn.Linear's keys.
-            hist = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device) if recipe.amax_history_len else None
-            self.register_buffer(name, hist, persistent=False)
+            self._register_amax_history(name, recipe.amax_history_len, self.weight.device)
 
     def _histories(self):
         return tuple(getattr(self, n) for n in _HISTORIES) if self.recipe.amax_history_len else None
@@ -47,7 +46,9 @@ class _Quantized:
 class Linear(_Quantized, nn.Linear):
     """Drop-in for `nn.Linear` whose GEMMs run quantized as `recipe` says.
 
-    Same parameters and `state_dict` keys as `nn.Linear` (an `nn.Linear` checkpoint loads as is).
+    Same parameters and `state_dict` keys as `nn.Linear`, plus, for delayed-scaling recipes, the
+    fp32 buffers `amax_history_input`, `amax_history_weight` and `amax_history_grad`. An `nn.Linear`
+    checkpoint loads as is (strictly; missing histories load as zeros, the first-step state).
 
     Example:
         >>> layer = tq.nn.Linear(256, 512, recipe=tq.recipes.mxfp8())
@@ -59,8 +60,24 @@ class Linear(_Quantized, nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_quantized(recipe, amax_group)
 
+    def reset_parameters(self) -> None:
+        """Re-initialise weight and bias as `nn.Linear` does, and zero the delayed-scaling histories."""
+        super().reset_parameters()
+        self.reset_amax_histories()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.recipe, amax_group=self.amax_group_name, amax_histories=self._histories())
+        # Histories roll in training mode only (in the backward of each step; see `tq.nn.functional.linear`).
+        # Read `training` only where it matters, so Dynamo guards on it only for delayed-scaling recipes.
+        update = self.training if self.recipe.amax_history_len else True
+        return linear(
+            x,
+            self.weight,
+            self.bias,
+            self.recipe,
+            amax_group=self.amax_group_name,
+            amax_histories=self._histories(),
+            update_amax_histories=update,
+        )
 
 
 def __getattr__(name: str):
