@@ -144,6 +144,7 @@ def quantize(
     inner = {k: v for k, v in inner.items() if v is not None}
     return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
 
+
 def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, columnwise: bool, amax_history) -> None:
     if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
         raise TypeError(f"tq.quantize: amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
