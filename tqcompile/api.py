@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tqcompile import ops
 from tqcompile.distributed.groups import all_reduce_amax, group_name_of
-from tqcompile.quantizers import NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.tensor import QuantizedTensor
 
 __all__ = ["quantize", "SUPPORTED_DTYPES"]
@@ -45,6 +45,7 @@ def quantize(
     columnwise: bool = False,
     seed: torch.Tensor | None = None,
     amax_history: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize `x` with `quantizer`.
 
@@ -61,6 +62,11 @@ def quantize(
         amax_history: delayed scaling: a 1-D fp32 buffer of past (group-reduced) amaxes. The scale
             comes from its max (the current amax on the first step, while it is all zeros), and the
             current amax is rolled into it in place. Only for quantizers with a tensor-level amax.
+        amax: a static (calibrated) amax, used as given instead of one computed from `x`: a 0-dim
+            fp32 tensor for quantizers with a tensor-level amax, or one amax per scaling unit
+            (shape ``quantizer.scale_shape(x.shape)``) for ROWWISE / BLOCKWISE `Float8Quantizer`
+            and `IntQuantizer`. Values beyond it saturate. MX scales come from each block and take
+            none. It is not reduced over `amax_group` (reduce it before; `tq.calibrate` does).
 
     Example:
         >>> qx = tq.quantize(torch.randn(32, 64), tq.Float8Quantizer())
@@ -110,6 +116,9 @@ def quantize(
     if amax_history is not None:
         _check_amax_history(amax_history, quantizer)
     group_name = group_name_of(amax_group)
+    if amax is not None:
+        _check_static_amax(x, quantizer, amax, columnwise, amax_history)
+        return _quantize_static(x, quantizer, amax, rowwise, columnwise, x_t, seed, group_name)
     amax = amax_t = None
     if quantizer.uses_tensor_amax():
         amax = ops.amax(x, quantizer)
@@ -134,3 +143,47 @@ def quantize(
         inner["_amax_t"] = amax_t
     inner = {k: v for k, v in inner.items() if v is not None}
     return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
+
+
+def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, columnwise: bool, amax_history) -> None:
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
+        raise TypeError(f"tq.quantize: amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
+    if amax_history is not None:
+        raise ValueError("tq.quantize: pass either a static amax or an amax_history (delayed scaling), not both")
+    if isinstance(q, MXQuantizer):
+        raise ValueError(
+            f"tq.quantize: {q!r} computes each 32-element block's scale from the block itself; it takes no static amax"
+        )
+    if q.uses_tensor_amax():
+        if amax.shape != ():
+            raise ValueError(
+                f"tq.quantize: {q!r} has a tensor-level amax; the static amax must be 0-dim, got shape {tuple(amax.shape)}"
+            )
+        if columnwise and _transformed(q):
+            raise ValueError(
+                f"tq.quantize: {q!r} transforms the last dim, so its columnwise usage needs its own amax; quantize without a static amax"
+            )
+        return
+    want = q.scale_shape(x.shape)
+    if tuple(amax.shape) != tuple(want):
+        raise ValueError(
+            f"tq.quantize: the static amax of {q!r} for x of shape {tuple(x.shape)} must have shape {tuple(want)} (one per scaling unit), got {tuple(amax.shape)}"
+        )
+    if columnwise:
+        raise ValueError(
+            f"tq.quantize: a per-unit static amax serves the rowwise usage only ({q!r}); quantize the transpose separately"
+        )
+
+
+def _quantize_static(x, q: Quantizer, amax, rowwise: bool, columnwise: bool, x_t, seed, group_name) -> QuantizedTensor:
+    # Same op, same kernel as a dynamic quantize: only the amax comes from the caller.
+    tensor_amax = amax if q.uses_tensor_amax() else None
+    inner = {}
+    if rowwise:
+        inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amax, seed)
+        inner["_amax"] = tensor_amax
+    if columnwise:
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize(x_t, q, amax, seed)
+        inner["_amax_t"] = tensor_amax
+    inner = {k: v for k, v in inner.items() if v is not None}
+    return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)

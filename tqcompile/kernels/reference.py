@@ -33,7 +33,7 @@ from tqcompile.quantizers import (
     ScaleRounding,
 )
 
-__all__ = ["tensor_amax", "quantize", "dequantize", "e2m1_encode", "e2m1_decode", "hadamard_matrix", "uniform_hash"]
+__all__ = ["tensor_amax", "unit_amax", "quantize", "dequantize", "e2m1_encode", "e2m1_decode", "hadamard_matrix", "uniform_hash"]
 
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6
 _MASK32 = 0xFFFFFFFF
@@ -200,6 +200,13 @@ def _prepare(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
 def tensor_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """The tensor-level amax (fp32, 0-dim) over finite values, after any transform `q` applies."""
     return _unit_amax(_finite_abs(_prepare(x, q)), (Granularity.TENSORWISE, -1, 1))
+
+
+def unit_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    """The amax of each scaling unit of `x` (fp32, shape ``q.scale_shape(x.shape)``) over finite
+    values, after any transform: exactly the amax a dynamic `quantize(x, q, None, ...)` scales with
+    for Float8 / Int quantizers, so passing it back as a static amax reproduces that call."""
+    return _unit_amax(_finite_abs(_prepare(x, q)), q.layout())
 
 
 def _scale_from_amax(amax: torch.Tensor, fmt_max: float, eps: float, power_of_two: bool) -> torch.Tensor:
