@@ -1,10 +1,11 @@
 """The documentation's code runs, and its links resolve.
 
-Every ```python block of README.md and docs/**/*.md is executed. Blocks of one file run in order
-in one namespace (a page builds up its example like a notebook). All pages run in one separate
-Python process (one torch import instead of one per page), so a page that sets global state (a
-process group, Dynamo caches) cannot leak into the tests. A block that is illustrative only is
-marked with a `<!-- skip-test -->` line right before it; use that sparingly.
+Every ```python block of README.md and docs/**/*.md (new pages are picked up by the glob) is
+executed ALONE, in a fresh namespace: a reader pastes one block, not a page, so each block
+carries its own imports and set-up. All blocks run in one separate Python process (one torch
+import instead of one per block), so a block that sets global state (a process group, Dynamo
+caches) cannot leak into the tests. A block that is illustrative only is marked with a
+`<!-- skip-test -->` line right before it; use that sparingly.
 """
 
 from __future__ import annotations
@@ -23,21 +24,20 @@ DOCS = ROOT / "docs"
 SKIP_MARK = "<!-- skip-test -->"
 MARKDOWN_FILES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
 
-# Runs the pages it is given on stdin, each in a fresh namespace, and prints one JSON line after
-# _MARKER: page -> traceback or None. Each block is compiled under its Markdown file's name, padded
-# so that traceback line numbers are the line numbers in that file.
+# Runs the blocks it is given on stdin, each in its own fresh namespace, and prints one JSON line
+# after _MARKER: block id -> traceback or None. Each block is compiled under its Markdown file's
+# name, padded so that traceback line numbers are the line numbers in that file.
 _MARKER = "@@tqcompile-docs@@"
 _RUNNER = """
 import json, sys, traceback
 results = {}
-for filename, blocks in json.load(sys.stdin):
+for block_id, filename, first_line, code in json.load(sys.stdin):
     namespace = {"__name__": "__main__"}
     try:
-        for first_line, code in blocks:
-            exec(compile("\\n" * (first_line - 1) + code, filename, "exec"), namespace)
-        results[filename] = None
+        exec(compile("\\n" * (first_line - 1) + code, filename, "exec"), namespace)
+        results[block_id] = None
     except BaseException:
-        results[filename] = traceback.format_exc()
+        results[block_id] = traceback.format_exc()
 print("MARKER" + json.dumps(results))
 """.replace("MARKER", _MARKER)
 
@@ -64,26 +64,42 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-FILES_WITH_CODE = [p for p in MARKDOWN_FILES if python_blocks(p)]
-
-
-@pytest.fixture(scope="module")
-def doc_results() -> dict[str, str | None]:
-    """Run every page's blocks once, in one subprocess; page -> traceback (None: it ran)."""
-    payload = json.dumps([(_rel(p), python_blocks(p)) for p in FILES_WITH_CODE])
+def run_blocks_alone(blocks: list[tuple[str, str, int, str]], cwd: Path = ROOT) -> dict[str, str | None]:
+    """Run each (block id, file name, first line, code) alone in a fresh namespace, all in one
+    subprocess; block id -> traceback (None: it ran)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
-        [sys.executable, "-c", _RUNNER], input=payload, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+        [sys.executable, "-c", _RUNNER], input=json.dumps(blocks), capture_output=True, text=True, cwd=cwd, env=env, timeout=600
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
     assert proc.returncode == 0 and lines, f"the docs runner itself failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len(_MARKER) :])
 
 
-@pytest.mark.parametrize("path", FILES_WITH_CODE, ids=_rel)
-def test_doc_examples_run(path: Path, doc_results):
-    error = doc_results[_rel(path)]
-    assert error is None, f"a code block of {_rel(path)} failed:\n{error}"
+# One test per block, named "<page>:<first code line>", so a failure says which block to open.
+BLOCKS = [(f"{_rel(p)}:{first}", _rel(p), first, code) for p in MARKDOWN_FILES for first, code in python_blocks(p)]
+
+
+@pytest.fixture(scope="module")
+def doc_results() -> dict[str, str | None]:
+    """Run every block once, each alone; block id -> traceback (None: it ran)."""
+    return run_blocks_alone(BLOCKS)
+
+
+@pytest.mark.parametrize("block_id", [b[0] for b in BLOCKS])
+def test_doc_block_runs_alone(block_id: str, doc_results):
+    error = doc_results[block_id]
+    assert error is None, f"the code block at {block_id} failed when run alone (does it import what it uses?):\n{error}"
+
+
+def test_blocks_do_not_share_a_namespace(tmp_path: Path):
+    # The regression this file guards: a block that leans on a name an earlier block defined.
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport math\nhalf = math.pi / 2\n```\n\n```python\nprint(half)\n```\n")
+    blocks = [(f"page.md:{first}", str(page), first, code) for first, code in python_blocks(page)]
+    results = run_blocks_alone(blocks, cwd=tmp_path)
+    assert results["page.md:2"] is None
+    assert "NameError: name 'half' is not defined" in results["page.md:7"], results
 
 
 def test_the_core_pages_have_examples():
