@@ -30,7 +30,18 @@ import tqcompile as tq
 from tqcompile.models.gpt import GPT, GPTConfig, quantize_model
 from tqcompile.testing.compile import CompileCounter
 
-__all__ = ["DemoConfig", "RunResult", "load_corpus", "batch_offsets", "train", "run_demo", "format_table", "plot_losses"]
+__all__ = [
+    "DemoConfig",
+    "RunResult",
+    "final_window",
+    "ema",
+    "load_corpus",
+    "batch_offsets",
+    "train",
+    "run_demo",
+    "format_table",
+    "plot_losses",
+]
 
 BASELINE = "bf16"
 DEFAULT_RECIPES = ("fp8_tensorwise", "mxfp8", "nvfp4")
@@ -83,8 +94,8 @@ class RunResult:
     error: str | None = None  # why the run could not happen (e.g. a recipe the model cannot use)
 
     def final_loss(self) -> float:
-        """Mean of the last tenth of the losses (at least 5 steps): smoother than the last step."""
-        tail = self.losses[-max(5, len(self.losses) // 10) :]
+        """Mean of the last `final_window(len(losses))` losses: smoother than the last step."""
+        tail = self.losses[-final_window(len(self.losses)) :]
         return sum(tail) / len(tail)
 
     def step_ms(self) -> float:
@@ -93,6 +104,12 @@ class RunResult:
 
     def first_step_s(self) -> float:
         return self.step_times_s[0]
+
+
+def final_window(n_steps: int) -> int:
+    """How many of the last losses "final loss" averages: a tenth of the run, at least 5 steps, and
+    never more steps than ran."""
+    return min(n_steps, max(5, n_steps // 10))
 
 
 def load_corpus() -> torch.Tensor:
@@ -227,26 +244,56 @@ def format_table(results: Sequence[RunResult], cfg: DemoConfig) -> str:
     header = ("recipe", "final loss", "vs bf16", "step ms", "1st step s", "graph breaks", "recompiles")
     rows, notes = [], []
     for r in results:
+        if r.error is not None and not r.losses and not r.graph_breaks:
+            # Refused before training (the recipe cannot serve this model): a row would be all dashes.
+            notes.append(f"{r.name}: not run: {r.error}")
+            continue
         if r.error is not None:
             rows.append((r.name, "-", "-", "-", "-", str(r.graph_breaks), "-"))
             notes.append(f"{r.name}: not run to the end: {r.error}")
             continue
         gap = "-" if base is None or r is base else f"{r.final_loss() - base.final_loss():+.4f}"
         rows.append(
-            (r.name, f"{r.final_loss():.4f}", gap, f"{r.step_ms():.1f}", f"{r.first_step_s():.1f}", str(r.graph_breaks), str(r.recompiles))
+            (
+                r.name,
+                f"{r.final_loss():.4f}",
+                gap,
+                f"{r.step_ms():.1f}",
+                f"{r.first_step_s():.1f}",
+                str(r.graph_breaks),
+                str(r.recompiles),
+            )
         )
     foot = [
         "",
-        f"final loss: mean of the last {max(5, cfg.steps // 10)} steps; step ms: median after the first step; "
+        f"final loss: mean of the last {final_window(cfg.steps)} step{'s' if final_window(cfg.steps) != 1 else ''}; "
+        "step ms: median after the first step; "
         "1st step: includes compiling forward, backward and the optimizer step",
     ]
     return "\n".join(head + [_fmt_table(header, rows)] + foot + notes)
 
 
-def plot_losses(results: Sequence[RunResult], path: str) -> str:
-    """Write the loss curves to `path` (PNG) and return a one-line note of what happened.
+def ema(values: Sequence[float], span: float) -> list[float]:
+    """Exponential moving average with `alpha = 2 / (span + 1)`, bias-corrected (as Adam's moments)
+    so that the first points are averages of what came so far, not pulled towards zero."""
+    if span < 1:
+        raise ValueError(f"ema: span={span}; allowed: >= 1")
+    alpha, acc, weight, out = 2 / (span + 1), 0.0, 0.0, []
+    for v in values:
+        acc = (1 - alpha) * acc + alpha * v
+        weight = (1 - alpha) * weight + alpha
+        out.append(acc / weight)
+    return out
 
-    Needs matplotlib (`pip install tqcompile[plot]`); without it, nothing is written and the
+
+def plot_losses(results: Sequence[RunResult], path: str, cfg: DemoConfig | None = None) -> str:
+    """Write the demo's picture to `path` (PNG) and return a one-line note of what happened.
+
+    Three panels: the training loss per run (smoothed), each recipe's loss gap to bf16 step by
+    step (smoothed: the per-step gap is noise around a small mean), and the median step time per
+    run. `cfg` (optional) adds the device and model size to the title.
+
+    matplotlib is a dependency of tqcompile; if it was removed anyway, nothing is written and the
     note says so."""
     try:
         import matplotlib
@@ -254,17 +301,66 @@ def plot_losses(results: Sequence[RunResult], path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return f"loss plot skipped: matplotlib is not installed (pip install matplotlib), so {path} was not written"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        if r.losses:
-            ax.plot(range(len(r.losses)), r.losses, label=r.name, linewidth=1.8 if r.name == BASELINE else 1.0)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title("tqcompile demo: loss per recipe")
-    ax.legend()
-    ax.grid(alpha=0.3)
+        return f"plot skipped: matplotlib is not installed (pip install matplotlib), so {path} was not written"
+    ran = [r for r in results if r.losses]
+    base = next((r for r in ran if r.name == BASELINE), None)
+    colors = {r.name: f"C{i}" for i, r in enumerate(ran)}
+    n_steps = max((len(r.losses) for r in ran), default=0)
+    span = max(5, n_steps // 8)  # smoothing: about an eighth of the run
+
+    fig, (ax_loss, ax_gap, ax_time) = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [1, 1.3, 0.8]})
+    for r in ran:
+        ax_loss.plot(ema(r.losses, span), color=colors[r.name], label=r.name, linewidth=2.2 if r is base else 1.2)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("training loss, nats/byte (EMA)")
+    ax_loss.set_title("loss: the curves overlap")
+    ax_loss.legend(fontsize=8)
+
+    ax_gap.axhline(0.0, color=colors.get(BASELINE, "k"), linewidth=1.2, label=f"{BASELINE} (reference)")
+    if base is None:
+        ax_gap.text(0.5, 0.5, "no bf16 run to compare with", ha="center", va="center", transform=ax_gap.transAxes)
+    else:
+        for r in ran:
+            if r is base:
+                continue
+            n = min(len(r.losses), len(base.losses))
+            gap = [a - b for a, b in zip(r.losses[:n], base.losses[:n])]
+            ax_gap.plot(gap, color=colors[r.name], alpha=0.15, linewidth=0.8)
+            ax_gap.plot(
+                ema(gap, span),
+                color=colors[r.name],
+                linewidth=1.8,
+                label=f"{r.name}: final {r.final_loss() - base.final_loss():+.4f}",
+            )
+    ax_gap.set_xlabel("step")
+    ax_gap.set_ylabel(f"loss - {BASELINE} loss at the same step (EMA, span {span})")
+    ax_gap.set_title(f"gap to {BASELINE}: above 0 = behind {BASELINE}")
+    ax_gap.legend(fontsize=8)
+
+    timed = [r for r in ran if len(r.step_times_s) > 1]
+    ms = [r.step_ms() for r in timed]
+    bars = ax_time.bar([r.name for r in timed], ms, color=[colors[r.name] for r in timed])
+    base_ms = base.step_ms() if base is not None and len(base.step_times_s) > 1 else None
+    for bar, r, value in zip(bars, timed, ms):
+        label = f"{value:.0f} ms" + (f"\n{value / base_ms:.1f}x" if base_ms and r is not base else "")
+        ax_time.annotate(label, (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
+    ax_time.set_ylabel("median step time, ms (after the first step)")
+    device = cfg.device if cfg is not None else None
+    ax_time.set_title("step time" + (" (CPU: FP8/FP4 emulated)" if device == "cpu" else ""))
+    ax_time.tick_params(axis="x", labelrotation=30, labelsize=8)
+    ax_time.margins(y=0.2)
+
+    for ax in (ax_loss, ax_gap, ax_time):
+        ax.grid(alpha=0.3)
+    if cfg is not None:
+        mc = cfg.model_config()
+        mlp = f"MoE {mc.n_experts} experts" if mc.n_experts else "dense MLP"
+        fig.suptitle(
+            f"tqcompile demo: GPT {mc.n_layer} layers, d_model {mc.d_model}, {mlp}; {cfg.steps} steps on {cfg.device}, "
+            f"torch {torch.__version__}, backend {cfg.backend}",
+            fontsize=10,
+        )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return f"loss plot written to {path}"
+    return f"plot written to {path}: loss, loss gap to {BASELINE} and step time per recipe"
