@@ -10,11 +10,16 @@ caches) cannot leak into the tests. A block that is illustrative only is marked 
 
 from __future__ import annotations
 
+import enum
+import importlib
+import inspect
 import json
 import os
+import pkgutil
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -135,3 +140,98 @@ def test_index_links_every_page():
     linked = {(DOCS / t.split("#")[0]).resolve() for t in _relative_links(index)}
     missing = [_rel(p) for p in DOCS.rglob("*.md") if p != index and p.resolve() not in linked]
     assert not missing, f"docs/index.md does not link to {missing}; add them to its list of pages"
+
+
+# --- docs/api.md is complete against every public __all__ -------------------------------------
+
+API_PAGE = DOCS / "api.md"
+_API_SECTION = re.compile(r"^## `(tqcompile(?:\.\w+)*)`\s*$")
+_API_ENTRY = re.compile(r"^- \*\*`(\w+)`\*\*(.*)$")
+
+
+def public_modules() -> dict[str, types.ModuleType]:
+    """`tqcompile`, every subpackage with an `__all__` (new ones are picked up), and every module
+    named in a public `__all__` (e.g. `tqcompile.testing.strategies`), by dotted name."""
+    import tqcompile
+
+    found = {"tqcompile": tqcompile}
+    for info in pkgutil.iter_modules(tqcompile.__path__):
+        if info.ispkg and not info.name.startswith("_"):
+            module = importlib.import_module(f"tqcompile.{info.name}")
+            if hasattr(module, "__all__"):
+                found[module.__name__] = module
+    todo = list(found.values())
+    while todo:
+        module = todo.pop()
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, types.ModuleType) and hasattr(value, "__all__") and value.__name__ not in found:
+                found[value.__name__] = value
+                todo.append(value)
+    return found
+
+
+def api_entries(path: Path = API_PAGE) -> dict[str, dict[str, str]]:
+    """module -> {name: the entry's text after the name (signature, purpose)} of an API page.
+    Sections are level-2 headings holding a backticked module name; entries are list items that
+    start with the bold, backticked name."""
+    entries: dict[str, dict[str, str]] = {}
+    section = None
+    for line in path.read_text().splitlines():
+        if heading := _API_SECTION.match(line):
+            section = entries.setdefault(heading.group(1), {})
+        elif (entry := _API_ENTRY.match(line)) and section is not None:
+            section[entry.group(1)] = entry.group(2)
+    return entries
+
+
+def _parameter_names(obj: object) -> list[str]:
+    """The parameter names an entry's signature must show (none for enums, modules, constants and
+    exception/warning classes, whose call signatures are not theirs)."""
+    if (
+        isinstance(obj, types.ModuleType)
+        or not callable(obj)
+        or (isinstance(obj, type) and issubclass(obj, (enum.Enum, BaseException)))
+    ):
+        return []
+    schema = getattr(getattr(obj, "_opoverload", None), "_schema", None)  # a torch.library custom op
+    if schema is not None:
+        return [a.name for a in schema.arguments]
+    try:
+        return [p.name for p in inspect.signature(obj).parameters.values()]
+    except (TypeError, ValueError):
+        return []
+
+
+def test_api_page_lists_every_public_name():
+    documented = api_entries()
+    missing, stale, no_purpose, wrong_signature = [], [], [], []
+    for module_name, module in public_modules().items():
+        entries = documented.get(module_name, {})
+        missing += [f"{module_name}.{n}" for n in module.__all__ if n not in entries]
+        stale += [f"{module_name}.{n}" for n in entries if n not in module.__all__]
+        for name, text in entries.items():
+            if name not in module.__all__:
+                continue
+            signature, _, purpose = text.partition(": ")
+            if not purpose.strip():
+                no_purpose.append(f"{module_name}.{name}")
+            absent = [p for p in _parameter_names(getattr(module, name)) if not re.search(rf"\b{p}\b", signature)]
+            if absent:
+                wrong_signature.append(f"{module_name}.{name} (lacks {', '.join(absent)})")
+    assert not missing, (
+        f"docs/api.md has no entry for {missing}: add '- **`name`**`(signature)`: purpose.' under its module's heading"
+    )
+    assert not stale, f"docs/api.md documents names that are not in their module's __all__: {stale}"
+    assert not no_purpose, f"docs/api.md entries without a one-line purpose: {no_purpose}"
+    assert not wrong_signature, f"docs/api.md signatures that do not match the code: {wrong_signature}"
+
+
+def test_api_page_parser_names_what_is_missing(tmp_path: Path):
+    page = tmp_path / "api.md"
+    page.write_text("## `tqcompile.optim`\n\n- **`compile_optimizer_step`**`(optimizer, **compile_kwargs)`: compiled step.\n")
+    assert api_entries(page) == {"tqcompile.optim": {"compile_optimizer_step": "`(optimizer, **compile_kwargs)`: compiled step."}}
+    assert "tqcompile.optim" in public_modules() and "tqcompile.testing.strategies" in public_modules()
+    from tqcompile.ops import quantize
+
+    assert _parameter_names(quantize) == ["x", "quantizer", "amax", "seed"]
