@@ -320,18 +320,23 @@ def plot_losses(results: Sequence[RunResult], path: str, cfg: DemoConfig | None 
     if base is None:
         ax_gap.text(0.5, 0.5, "no bf16 run to compare with", ha="center", va="center", transform=ax_gap.transAxes)
     else:
+        smoothed_all = [0.0]
         for r in ran:
             if r is base:
                 continue
             n = min(len(r.losses), len(base.losses))
             gap = [a - b for a, b in zip(r.losses[:n], base.losses[:n])]
-            ax_gap.plot(gap, color=colors[r.name], alpha=0.15, linewidth=0.8)
+            smoothed = ema(gap, span)
+            smoothed_all += smoothed
+            ax_gap.plot(gap, color=colors[r.name], alpha=0.15, linewidth=0.8)  # the raw per-step gap, faint
             ax_gap.plot(
-                ema(gap, span),
-                color=colors[r.name],
-                linewidth=1.8,
-                label=f"{r.name}: final {r.final_loss() - base.final_loss():+.4f}",
+                smoothed, color=colors[r.name], linewidth=1.8, label=f"{r.name}: final {r.final_loss() - base.final_loss():+.4f}"
             )
+        # Scale to the smoothed curves: the raw per-step gap is noise several times larger, and
+        # would flatten them into the zero line.
+        low, high = min(smoothed_all), max(smoothed_all)
+        pad = 0.25 * (high - low) or 1e-3
+        ax_gap.set_ylim(low - pad, high + pad)
     ax_gap.set_xlabel("step")
     ax_gap.set_ylabel(f"loss - {BASELINE} loss at the same step (EMA, span {span})")
     ax_gap.set_title(f"gap to {BASELINE}: above 0 = behind {BASELINE}")
@@ -339,12 +344,26 @@ def plot_losses(results: Sequence[RunResult], path: str, cfg: DemoConfig | None 
 
     timed = [r for r in ran if len(r.step_times_s) > 1]
     ms = [r.step_ms() for r in timed]
-    bars = ax_time.bar([r.name for r in timed], ms, color=[colors[r.name] for r in timed])
+    # Whiskers: the 25th to 75th percentile of the step times, so a noisy (shared) machine shows.
+    quartiles = [
+        statistics.quantiles([1000 * t for t in r.step_times_s[1:]], n=4) if len(r.step_times_s) > 2 else [m, m, m]
+        for r, m in zip(timed, ms)
+    ]
+    whiskers = [[max(0.0, m - q[0]) for m, q in zip(ms, quartiles)], [max(0.0, q[2] - m) for m, q in zip(ms, quartiles)]]
+    bars = ax_time.bar([r.name for r in timed], ms, color=[colors[r.name] for r in timed], yerr=whiskers, capsize=4)
     base_ms = base.step_ms() if base is not None and len(base.step_times_s) > 1 else None
-    for bar, r, value in zip(bars, timed, ms):
+    for bar, r, value, top in zip(bars, timed, ms, (m + w for m, w in zip(ms, whiskers[1]))):
         label = f"{value:.0f} ms" + (f"\n{value / base_ms:.1f}x" if base_ms and r is not base else "")
-        ax_time.annotate(label, (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
-    ax_time.set_ylabel("median step time, ms (after the first step)")
+        ax_time.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, top),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax_time.set_ylabel("step time, ms: median and quartiles (after step 1)")
     device = cfg.device if cfg is not None else None
     ax_time.set_title("step time" + (" (CPU: FP8/FP4 emulated)" if device == "cpu" else ""))
     ax_time.tick_params(axis="x", labelrotation=30, labelsize=8)
