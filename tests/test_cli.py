@@ -18,7 +18,7 @@ from tqcompile.models.gpt import GPT, GPTConfig, quantize_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COLUMNS = ("recipe", "final loss", "vs bf16", "step ms", "1st step s", "graph breaks", "recompiles")
+COLUMNS = ("recipe", "final loss", "vs bf16", "step ms", "cpu ms", "1st step s", "graph breaks", "recompiles")
 
 
 def test_demo_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -40,8 +40,8 @@ def test_demo_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     }
     assert set(rows) == {"bf16", "fp8_tensorwise"}, out
     for name, cells in rows.items():
-        # final loss, gap, step ms, 1st step s, graph breaks, recompiles
-        assert float(cells[1]) > 0, cells
+        # final loss, gap, step ms, cpu ms, 1st step s, graph breaks, recompiles
+        assert float(cells[1]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0, cells
         assert cells[-2:] == ["0", "0"], f"{name}: graph breaks / recompiles {cells[-2:]}"
     assert rows["bf16"][2] == "-" and rows["fp8_tensorwise"][2].startswith(("+", "-")), rows
     assert f"torch {torch.__version__}" in out and "device: cpu" in out
@@ -157,8 +157,12 @@ def test_plot_writes_a_png_with_the_gap_and_the_step_times(tmp_path, monkeypatch
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k))[1])
     path = tmp_path / "loss.png"
     results = [
-        RunResult("bf16", losses=[3.0, 2.0, 1.5, 1.2], step_times_s=[5.0, 0.04, 0.04, 0.05]),
-        RunResult("mxfp8", losses=[3.1, 2.1, 1.6, 1.3], step_times_s=[6.0, 0.11, 0.12, 0.11]),
+        RunResult(
+            "bf16", losses=[3.0, 2.0, 1.5, 1.2], step_times_s=[5.0, 0.04, 0.04, 0.05], step_cpu_times_s=[4.0, 0.03, 0.03, 0.03]
+        ),
+        RunResult(
+            "mxfp8", losses=[3.1, 2.1, 1.6, 1.3], step_times_s=[6.0, 0.11, 0.12, 0.11], step_cpu_times_s=[5.0, 0.1, 0.1, 0.1]
+        ),
         RunResult("fp8_delayed", error="recipe 'fp8_delayed' cannot serve ..."),
     ]
     note = plot_losses(results, str(path), DemoConfig(steps=4))
@@ -168,4 +172,6 @@ def test_plot_writes_a_png_with_the_gap_and_the_step_times(tmp_path, monkeypatch
     (gap_curve,) = [ln for ln in ax_gap.get_lines() if ln.get_label().startswith("mxfp8")]
     assert gap_curve.get_ydata() == pytest.approx([0.1] * 4)  # mxfp8 - bf16 at each step, smoothed
     assert [t.get_text() for t in ax_time.get_xticklabels()] == ["bf16", "mxfp8"]
-    assert [round(p.get_height()) for p in ax_time.patches] == [40, 110]  # median ms after the first step
+    # Median ms after the first step: wall time, then CPU time (the work, whatever else the machine runs).
+    assert [round(p.get_height()) for p in ax_time.patches] == [40, 110, 30, 100]
+    assert "3.3x" in [t.get_text().split("\n")[-1] for t in ax_time.texts]  # mxfp8 / bf16, by CPU time

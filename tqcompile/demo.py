@@ -87,7 +87,8 @@ class RunResult:
 
     name: str
     losses: list[float] = dataclasses.field(default_factory=list)
-    step_times_s: list[float] = dataclasses.field(default_factory=list)
+    step_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time
+    step_cpu_times_s: list[float] = dataclasses.field(default_factory=list)  # the process's CPU time
     graph_breaks: int = 0
     graphs: int = 0
     recompiles: int = 0
@@ -101,6 +102,13 @@ class RunResult:
     def step_ms(self) -> float:
         """Median step time after the first step (which compiles): robust to a busy machine."""
         return 1000 * statistics.median(self.step_times_s[1:])
+
+    def step_cpu_ms(self) -> float | None:
+        """Median CPU time of the process per step after the first, or None if not recorded.
+
+        On a CPU run with one thread this is the work a step does: unlike wall time, it does not
+        grow while the process waits for a core on a machine busy with other work."""
+        return 1000 * statistics.median(self.step_cpu_times_s[1:]) if len(self.step_cpu_times_s) > 1 else None
 
     def first_step_s(self) -> float:
         return self.step_times_s[0]
@@ -183,7 +191,7 @@ def train(
     for step, offs in enumerate(offsets):
         x, y = (t.to(device) for t in _batch(data, offs, cfg.seq_len))
         _sync(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = compiled(x, y)
@@ -197,6 +205,7 @@ def train(
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()  # also waits for the device, so the time covers the whole step
         result.step_times_s.append(time.perf_counter() - start)
+        result.step_cpu_times_s.append(time.process_time() - cpu_start)
         result.losses.append(loss_value)
         if progress is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             progress(f"[{name:>20}] step {step:4d}/{cfg.steps}  loss {loss_value:.4f}  {1000 * result.step_times_s[-1]:8.1f} ms")
@@ -226,6 +235,10 @@ def _fmt_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
+def _ms_or_dash(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.1f}"
+
+
 def format_table(results: Sequence[RunResult], cfg: DemoConfig) -> str:
     """The comparison table, with the setting it was measured in (model, device, torch version)."""
     mc = cfg.model_config()
@@ -241,7 +254,17 @@ def format_table(results: Sequence[RunResult], cfg: DemoConfig) -> str:
         "",
     ]
     base = next((r for r in results if r.name == BASELINE and r.error is None and r.losses), None)
-    header = ("recipe", "final loss", "vs bf16", "step ms", "1st step s", "graph breaks", "recompiles")
+    cpu_col = cfg.device == "cpu"  # on CUDA the host's CPU time says little about the step
+    header = (
+        "recipe",
+        "final loss",
+        "vs bf16",
+        "step ms",
+        *(("cpu ms",) if cpu_col else ()),
+        "1st step s",
+        "graph breaks",
+        "recompiles",
+    )
     rows, notes = [], []
     for r in results:
         if r.error is not None and not r.losses and not r.graph_breaks:
@@ -249,7 +272,7 @@ def format_table(results: Sequence[RunResult], cfg: DemoConfig) -> str:
             notes.append(f"{r.name}: not run: {r.error}")
             continue
         if r.error is not None:
-            rows.append((r.name, "-", "-", "-", "-", str(r.graph_breaks), "-"))
+            rows.append((r.name, "-", "-", "-", *(("-",) if cpu_col else ()), "-", str(r.graph_breaks), "-"))
             notes.append(f"{r.name}: not run to the end: {r.error}")
             continue
         gap = "-" if base is None or r is base else f"{r.final_loss() - base.final_loss():+.4f}"
@@ -259,6 +282,7 @@ def format_table(results: Sequence[RunResult], cfg: DemoConfig) -> str:
                 f"{r.final_loss():.4f}",
                 gap,
                 f"{r.step_ms():.1f}",
+                *((_ms_or_dash(r.step_cpu_ms()),) if cpu_col else ()),
                 f"{r.first_step_s():.1f}",
                 str(r.graph_breaks),
                 str(r.recompiles),
@@ -267,8 +291,13 @@ def format_table(results: Sequence[RunResult], cfg: DemoConfig) -> str:
     foot = [
         "",
         f"final loss: mean of the last {final_window(cfg.steps)} step{'s' if final_window(cfg.steps) != 1 else ''}; "
-        "step ms: median after the first step; "
-        "1st step: includes compiling forward, backward and the optimizer step",
+        "step ms: median wall time after the first step; "
+        + (
+            "cpu ms: median CPU time of the process per step (unlike wall time, it does not grow on a busy machine); "
+            if cpu_col
+            else ""
+        )
+        + "1st step: includes compiling forward, backward and the optimizer step",
     ]
     return "\n".join(head + [_fmt_table(header, rows)] + foot + notes)
 
@@ -344,26 +373,35 @@ def plot_losses(results: Sequence[RunResult], path: str, cfg: DemoConfig | None 
 
     timed = [r for r in ran if len(r.step_times_s) > 1]
     ms = [r.step_ms() for r in timed]
-    # Whiskers: the 25th to 75th percentile of the step times, so a noisy (shared) machine shows.
+    # Whiskers: the 25th to 75th percentile of the wall step times, so a noisy (shared) machine shows.
     quartiles = [
         statistics.quantiles([1000 * t for t in r.step_times_s[1:]], n=4) if len(r.step_times_s) > 2 else [m, m, m]
         for r, m in zip(timed, ms)
     ]
     whiskers = [[max(0.0, m - q[0]) for m, q in zip(ms, quartiles)], [max(0.0, q[2] - m) for m, q in zip(ms, quartiles)]]
-    bars = ax_time.bar([r.name for r in timed], ms, color=[colors[r.name] for r in timed], yerr=whiskers, capsize=4)
-    base_ms = base.step_ms() if base is not None and len(base.step_times_s) > 1 else None
-    for bar, r, value, top in zip(bars, timed, ms, (m + w for m, w in zip(ms, whiskers[1]))):
-        label = f"{value:.0f} ms" + (f"\n{value / base_ms:.1f}x" if base_ms and r is not base else "")
-        ax_time.annotate(
-            label,
-            (bar.get_x() + bar.get_width() / 2, top),
-            xytext=(0, 3),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=8,
+    cpu_ms = [r.step_cpu_ms() for r in timed]
+    show_cpu = (cfg is None or cfg.device == "cpu") and bool(timed) and all(c is not None for c in cpu_ms)
+    width = 0.4 if show_cpu else 0.8
+    xs = [i - width / 2 if show_cpu else i for i in range(len(timed))]
+    colors_t = [colors[r.name] for r in timed]
+    bars = ax_time.bar(xs, ms, width, color=colors_t, yerr=whiskers, capsize=3, label="wall (median, quartiles)")
+    labelled = [(bars, ms, [m + w for m, w in zip(ms, whiskers[1])])]
+    if show_cpu:
+        cpu_bars = ax_time.bar(
+            [x + width for x in xs], cpu_ms, width, color=colors_t, alpha=0.45, hatch="//", label="CPU time (median)"
         )
-    ax_time.set_ylabel("step time, ms: median and quartiles (after step 1)")
+        labelled.append((cpu_bars, cpu_ms, cpu_ms))
+        ax_time.legend(fontsize=7, loc="upper left")
+    # The ratio to bf16 goes on the last bar group: CPU time where shown (the work a step does,
+    # whatever else the machine runs), otherwise wall time.
+    for k, (group, values, tops) in enumerate(labelled):
+        base_value = next((v for r, v in zip(timed, values) if r is base), None) if k == len(labelled) - 1 else None
+        for bar, r, value, top in zip(group, timed, values, tops):
+            label = f"{value:.0f}" + (f"\n{value / base_value:.1f}x" if base_value and r is not base else "")
+            x = bar.get_x() + bar.get_width() / 2
+            ax_time.annotate(label, (x, top), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=7)
+    ax_time.set_xticks(range(len(timed)), [r.name for r in timed])
+    ax_time.set_ylabel("ms per step (after step 1)")
     device = cfg.device if cfg is not None else None
     ax_time.set_title("step time" + (" (CPU: FP8/FP4 emulated)" if device == "cpu" else ""))
     ax_time.tick_params(axis="x", labelrotation=30, labelsize=8)
