@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tqcompile as tq
+from tqcompile.testing import CompileCounter
 
 
 def _model_and_grads(seed: int = 0) -> tuple[torch.nn.Module, list[torch.Tensor]]:
@@ -78,3 +79,22 @@ def test_differentiable_optimizer_is_refused() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, differentiable=True)
     with pytest.raises(ValueError, match="differentiable=True"):
         tq.optim.compile_optimizer_step(opt)
+
+
+def test_each_optimizer_gets_its_own_compiled_step() -> None:
+    # Every compiled step used to share one code object, hence one Dynamo cache: each new optimizer
+    # in the process was a recompile of it, and the one past the recompile limit failed under
+    # fullgraph=True (FailOnRecompileLimitHit; a sweep in one process reaches 9 optimizers quickly).
+    counter = CompileCounter("eager")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for seed in range(4):
+            model, grads = _model_and_grads(seed)
+            opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+            step = tq.optim.compile_optimizer_step(opt, backend=counter, fullgraph=True)
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g[0].clone()
+            before = [p.detach().clone() for p in model.parameters()]
+            step()
+            for p, b, g in zip(model.parameters(), before, grads):
+                torch.testing.assert_close(p.detach(), b - 0.1 * g[0])
+    assert counter.frame_count == 4 and counter.recompiles == 0, counter

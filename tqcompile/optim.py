@@ -17,6 +17,7 @@ optimizer stepped before it (without it every scheduler warns "Detected call of
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -60,6 +61,11 @@ def compile_optimizer_step(optimizer: torch.optim.Optimizer, **compile_kwargs: A
         with torch.no_grad():
             body(optimizer)
 
+    # Dynamo keeps its compiled graphs on the code object, and every `update` made here shares one:
+    # each new optimizer in a process would be one more cache entry of the same frame, and the 9th
+    # would hit the recompile limit (FailOnRecompileLimitHit under fullgraph=True; checked on torch
+    # 2.13). A copy of the code object gives each compiled step a cache of its own.
+    update = types.FunctionType(update.__code__.replace(), update.__globals__, update.__name__, None, update.__closure__)
     compiled_update = torch.compile(update, **compile_kwargs)
     profile_name = f"Optimizer.step#{type(optimizer).__name__}.step"
 
