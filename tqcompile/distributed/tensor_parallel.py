@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -33,7 +32,14 @@ from torch.distributed.tensor import parallel as _tp
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tqcompile.distributed import tp_comm
-from tqcompile.distributed.tp_linear import REPLICATE, SEQUENCE, SequenceGatheredInput, colwise_linear, gather_input, rowwise_linear
+from tqcompile.distributed.tp_linear import (
+    REPLICATE,
+    SEQUENCE,
+    SequenceGatheredInput,
+    colwise_linear,
+    gather_input,
+    rowwise_linear,
+)
 from tqcompile.nn.linear import Linear, _Quantized
 from tqcompile.recipes import Recipe
 
@@ -96,7 +102,9 @@ class _TPLinear:
         tp = self._tp
         if isinstance(x, DTensor):
             if tuple(x.placements) != (tp.input_placement,):
-                raise ValueError(f"{tp.what}: input is a DTensor placed {x.placements}; this style expects ({tp.input_placement},)")
+                raise ValueError(
+                    f"{tp.what}: input is a DTensor placed {x.placements}; this style expects ({tp.input_placement},)"
+                )
             x = x.to_local()
         weight = self.weight.to_local()
         bias = None if self.bias is None else self.bias.to_local()
@@ -140,7 +148,14 @@ class ColwiseParallel(_tp.ColwiseParallel):
         >>> parallelize_module(model, tp_mesh, {"mlp.fc": tq.distributed.ColwiseParallel(input_layouts=Shard(1))})
     """
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None, use_local_output: bool = True, fused_chunks: int = 1):
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        fused_chunks: int = 1,
+    ):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         if not isinstance(fused_chunks, int) or isinstance(fused_chunks, bool) or fused_chunks < 1:
             raise ValueError(f"ColwiseParallel: fused_chunks={fused_chunks!r}; allowed: an int >= 1")
@@ -150,9 +165,13 @@ class ColwiseParallel(_tp.ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, Linear):
             if isinstance(module, _Quantized):
-                raise TypeError(f"ColwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)")
+                raise TypeError(
+                    f"ColwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)"
+                )
             if self.fused_chunks != 1:
-                raise ValueError(f"ColwiseParallel: fused_chunks={self.fused_chunks} is supported on converted tq.nn.Linear layers only, not {type(module).__name__}")
+                raise ValueError(
+                    f"ColwiseParallel: fused_chunks={self.fused_chunks} is supported on converted tq.nn.Linear layers only, not {type(module).__name__}"
+                )
             return super()._apply(module, device_mesh)
         group, world = _group(device_mesh, "ColwiseParallel")
         what = _describe(module)
@@ -165,10 +184,14 @@ class ColwiseParallel(_tp.ColwiseParallel):
         elif isinstance(inp, Shard) and inp.dim == 1:
             mode, seq_dim = SEQUENCE, 1
         else:
-            raise ValueError(f"ColwiseParallel on {what}: input_layouts={self._input_layout}; allowed: Replicate() or Shard(1) (sequence parallel)")
+            raise ValueError(
+                f"ColwiseParallel on {what}: input_layouts={self._input_layout}; allowed: Replicate() or Shard(1) (sequence parallel)"
+            )
         chunks = self.fused_chunks
         if module.out_features % (chunks * world):
-            raise ValueError(f"ColwiseParallel on {what}: out_features {module.out_features} is not divisible into {chunks} fused chunk(s) x {world} ranks")
+            raise ValueError(
+                f"ColwiseParallel on {what}: out_features {module.out_features} is not divisible into {chunks} fused chunk(s) x {world} ranks"
+            )
         n_local = module.out_features // (chunks * world)
         r = module.recipe
         _check(r.fprop_weight, n_local, world, 0, "rowwise", f"ColwiseParallel on {what}: weight")
@@ -193,14 +216,18 @@ class RowwiseParallel(_tp.RowwiseParallel):
     `tq.nn.Linear`, this is torch's style unchanged.
     """
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None, use_local_output: bool = True):
+    def __init__(
+        self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None, use_local_output: bool = True
+    ):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self._input_layout, self._output_layout = input_layouts, output_layouts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, Linear):
             if isinstance(module, _Quantized):
-                raise TypeError(f"RowwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)")
+                raise TypeError(
+                    f"RowwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)"
+                )
             return super()._apply(module, device_mesh)
         group, world = _group(device_mesh, "RowwiseParallel")
         what = _describe(module)
@@ -213,9 +240,13 @@ class RowwiseParallel(_tp.RowwiseParallel):
         elif isinstance(out, Shard) and out.dim == 1:
             mode = SEQUENCE
         else:
-            raise ValueError(f"RowwiseParallel on {what}: output_layouts={self._output_layout}; allowed: Replicate() or Shard(1) (sequence parallel)")
+            raise ValueError(
+                f"RowwiseParallel on {what}: output_layouts={self._output_layout}; allowed: Replicate() or Shard(1) (sequence parallel)"
+            )
         if module.in_features % world:
-            raise ValueError(f"RowwiseParallel on {what}: in_features {module.in_features} is not divisible by the TP degree {world}")
+            raise ValueError(
+                f"RowwiseParallel on {what}: in_features {module.in_features} is not divisible by the TP degree {world}"
+            )
         k_local = module.in_features // world
         r = module.recipe
         _check(r.fprop_input, k_local, world, 1, "rowwise", f"RowwiseParallel on {what}: input")

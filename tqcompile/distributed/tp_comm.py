@@ -37,7 +37,15 @@ from tqcompile.tensor import QuantizedTensor
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
-__all__ = ["quantize_shard", "check_shard", "all_gather_tokens", "all_gather_seq", "reduce_scatter_seq", "all_reduce_sum", "transposable"]
+__all__ = [
+    "quantize_shard",
+    "check_shard",
+    "all_gather_tokens",
+    "all_gather_seq",
+    "reduce_scatter_seq",
+    "all_reduce_sum",
+    "transposable",
+]
 
 _ROW, _COL = "rowwise", "columnwise"
 
@@ -96,7 +104,13 @@ def quantize_shard(
     inner: dict[str, torch.Tensor] = {}
     if plain:
         qt = quantize(
-            x, quantizer, amax_group=group_name, rowwise=_ROW in plain, columnwise=_COL in plain, seed=seed, amax_history=amax_history
+            x,
+            quantizer,
+            amax_group=group_name,
+            rowwise=_ROW in plain,
+            columnwise=_COL in plain,
+            seed=seed,
+            amax_history=amax_history,
         )
         inner.update(qt._inner())
     for usage in reduced:
@@ -115,7 +129,11 @@ def quantize_shard(
 def transposable(q: Quantizer) -> bool:
     """True when the columnwise usage is exactly the transposed rowwise payload with the same scale
     (one scale for the whole tensor, one byte per element), so it can be derived locally."""
-    return isinstance(q, (Float8Quantizer, IntQuantizer)) and q.layout()[0] is Granularity.TENSORWISE and q.element_format().bits == 8
+    return (
+        isinstance(q, (Float8Quantizer, IntQuantizer))
+        and q.layout()[0] is Granularity.TENSORWISE
+        and q.element_format().bits == 8
+    )
 
 
 def columnwise_from_rowwise(qt: QuantizedTensor) -> QuantizedTensor:

@@ -81,7 +81,9 @@ class SequenceGatheredInput:
 
 def _batch_seq(shape: torch.Size, seq_dim: int) -> tuple[int, int]:
     if seq_dim % len(shape) != len(shape) - 2:
-        raise ValueError(f"sequence parallel: the sequence dim ({seq_dim}) must be the one before the features; got shape {tuple(shape)}")
+        raise ValueError(
+            f"sequence parallel: the sequence dim ({seq_dim}) must be the one before the features; got shape {tuple(shape)}"
+        )
     return shape[:-2].numel(), shape[-2]
 
 
@@ -110,7 +112,24 @@ def _wgrad_operand(qx_gathered: QuantizedTensor, qw_gathered: QuantizedTensor | 
 
 class _ColwiseLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, shared_fprop, shared_wgrad, recipe: Recipe, group, world, mode, seq_dim, what, backward, hist_x, hist_w, hist_dy):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        shared_fprop,
+        shared_wgrad,
+        recipe: Recipe,
+        group,
+        world,
+        mode,
+        seq_dim,
+        what,
+        backward,
+        hist_x,
+        hist_w,
+        hist_dy,
+    ):
         r = recipe
         need_dgrad, need_wgrad = backward and ctx.needs_input_grad[0], backward and ctx.needs_input_grad[1]
         hp_wgrad = r.wgrad_input is None
@@ -180,7 +199,9 @@ class _ColwiseLinear(torch.autograd.Function):
                 if shared:
                     qx_t = _wgrad_operand(saved_x, saved_xw)
                 elif mode == SEQUENCE:  # the local columnwise shard quantized in forward, gathered now
-                    qx_t = _wgrad_operand(saved_x, None if saved_xw is None else comm.all_gather_tokens([saved_xw], group, world, batch)[0])
+                    qx_t = _wgrad_operand(
+                        saved_x, None if saved_xw is None else comm.all_gather_tokens([saved_xw], group, world, batch)[0]
+                    )
                 else:
                     qx_t = saved_x
                 dw = qgemm(qdy_t, True, qx_t, True, w_dtype)
@@ -295,8 +316,14 @@ def gather_input(x: torch.Tensor, recipe: Recipe, group: str, world: int, seq_di
     batch, seq_local = _batch_seq(x.shape, seq_dim)
     full_shape = (*x.shape[:-2], seq_local * world, x.shape[-1])
     need_wgrad = torch.is_grad_enabled()
-    qx, qxw = _quantize_gather(x.detach().reshape(-1, x.shape[-1]), recipe, group, world, batch, seq_local, what, need_wgrad, None, False)
-    anchor = _AnchorGrad.apply(x, full_shape, group, world, batch) if x.requires_grad and torch.is_grad_enabled() else x.new_zeros(()).expand(full_shape)
+    qx, qxw = _quantize_gather(
+        x.detach().reshape(-1, x.shape[-1]), recipe, group, world, batch, seq_local, what, need_wgrad, None, False
+    )
+    anchor = (
+        _AnchorGrad.apply(x, full_shape, group, world, batch)
+        if x.requires_grad and torch.is_grad_enabled()
+        else x.new_zeros(()).expand(full_shape)
+    )
     return SequenceGatheredInput(anchor, qx, qxw)
 
 
@@ -305,10 +332,14 @@ def colwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, h
     hist = histories or (None, None, None)
     if isinstance(x, SequenceGatheredInput):
         if x.fprop.quantizer != recipe.fprop_input:
-            raise ValueError(f"{what}: the shared gathered input was quantized with {x.fprop.quantizer!r}, but this layer's recipe {recipe.name!r} wants {recipe.fprop_input!r}")
+            raise ValueError(
+                f"{what}: the shared gathered input was quantized with {x.fprop.quantizer!r}, but this layer's recipe {recipe.name!r} wants {recipe.fprop_input!r}"
+            )
         anchor = x.anchor
         backward = torch.is_grad_enabled() and (anchor.requires_grad or weight.requires_grad)
-        return _ColwiseLinear.apply(anchor, weight, bias, x.fprop, x.wgrad, recipe, group, world, mode, seq_dim, what, backward, *hist)
+        return _ColwiseLinear.apply(
+            anchor, weight, bias, x.fprop, x.wgrad, recipe, group, world, mode, seq_dim, what, backward, *hist
+        )
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return _ColwiseLinear.apply(x, weight, bias, None, None, recipe, group, world, mode, seq_dim, what, backward, *hist)
 

@@ -31,7 +31,9 @@ def parallelize_gpt(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
     world = tp_mesh.size()
     cfg = model.cfg
     if cfg.n_experts:
-        raise ValueError(f"parallelize_gpt: MoE blocks (n_experts={cfg.n_experts}) have no tensor-parallel plan here; use n_experts=0")
+        raise ValueError(
+            f"parallelize_gpt: MoE blocks (n_experts={cfg.n_experts}) have no tensor-parallel plan here; use n_experts=0"
+        )
     if cfg.n_head % world:
         raise ValueError(f"parallelize_gpt: n_head={cfg.n_head} is not divisible by the TP degree {world}")
     seq = Shard(1) if sequence_parallel else Replicate()
