@@ -178,14 +178,16 @@ class ColwiseParallel(_tp.ColwiseParallel):
         inp = _norm(self._input_layout, Replicate())
         out = _norm(self._output_layout, Shard(2))
         if out != Shard(2):
-            raise ValueError(f"ColwiseParallel on {what}: output_layouts={self._output_layout}; allowed: Shard(-1) (the default)")
+            raise ValueError(
+                f"ColwiseParallel on {what}: output_layouts={self._output_layout!r}; allowed: Shard(-1) (the default)"
+            )
         if isinstance(inp, Replicate):
             mode, seq_dim = REPLICATE, 1
         elif isinstance(inp, Shard) and inp.dim == 1:
             mode, seq_dim = SEQUENCE, 1
         else:
             raise ValueError(
-                f"ColwiseParallel on {what}: input_layouts={self._input_layout}; allowed: Replicate() or Shard(1) (sequence parallel)"
+                f"ColwiseParallel on {what}: input_layouts={self._input_layout!r}; allowed: Replicate() or Shard(1) (sequence parallel)"
             )
         chunks = self.fused_chunks
         if module.out_features % (chunks * world):
@@ -234,14 +236,14 @@ class RowwiseParallel(_tp.RowwiseParallel):
         inp = _norm(self._input_layout, Shard(2))
         out = _norm(self._output_layout, Replicate())
         if inp != Shard(2):
-            raise ValueError(f"RowwiseParallel on {what}: input_layouts={self._input_layout}; allowed: Shard(-1) (the default)")
+            raise ValueError(f"RowwiseParallel on {what}: input_layouts={self._input_layout!r}; allowed: Shard(-1) (the default)")
         if isinstance(out, Replicate):
             mode = REPLICATE
         elif isinstance(out, Shard) and out.dim == 1:
             mode = SEQUENCE
         else:
             raise ValueError(
-                f"RowwiseParallel on {what}: output_layouts={self._output_layout}; allowed: Replicate() or Shard(1) (sequence parallel)"
+                f"RowwiseParallel on {what}: output_layouts={self._output_layout!r}; allowed: Replicate() or Shard(1) (sequence parallel)"
             )
         if module.in_features % world:
             raise ValueError(

@@ -50,6 +50,19 @@ __all__ = [
 _ROW, _COL = "rowwise", "columnwise"
 
 
+_INNER = ("_data", "_scale_inv", "_amax", "_data_t", "_scale_inv_t", "_amax_t")
+
+
+def _inner(qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+    # Attribute reads, not QuantizedTensor._inner(): Dynamo treats a method call on a tensor
+    # returning a dict as a torch op returning a non-tensor, and refuses it.
+    return {n: getattr(qt, n) for n in _INNER if getattr(qt, n) is not None}
+
+
+def _rebuild(qt: QuantizedTensor, shape, **inner) -> QuantizedTensor:
+    return QuantizedTensor(shape, qt.quantizer, qt.orig_dtype, qt.amax_group_name, **inner)
+
+
 def _split_in_usage(split_dim: int, usage: str) -> int:
     """The dim of the usage's 2-D tensor that is split: rowwise is x (M, K), columnwise x.t() (K, M)."""
     return split_dim if usage == _ROW else 1 - split_dim
@@ -112,7 +125,7 @@ def quantize_shard(
             seed=seed,
             amax_history=amax_history,
         )
-        inner.update(qt._inner())
+        inner.update(_inner(qt))
     for usage in reduced:
         xu = x if usage == _ROW else x.t()
         axis = quantizer.layout()[1] % 2
@@ -138,7 +151,7 @@ def transposable(q: Quantizer) -> bool:
 
 def columnwise_from_rowwise(qt: QuantizedTensor) -> QuantizedTensor:
     """The columnwise usage of a `transposable` 2-D QuantizedTensor, from its rowwise usage."""
-    return qt._with(_data_t=qt._data.t().contiguous(), _scale_inv_t=qt._scale_inv, _amax_t=qt._amax)
+    return _rebuild(qt, qt.shape, _data_t=qt._data.t().contiguous(), _scale_inv_t=qt._scale_inv, _amax_t=qt._amax)
 
 
 # --- sequence-dim collectives -------------------------------------------------------------------
@@ -193,15 +206,15 @@ def all_gather_tokens(qts: list[QuantizedTensor], group_name: str, world: int, b
     in one collective. Their token-split quantization must come from `quantize_shard(split_dim=0)`."""
     pieces, where = [], []
     for i, qt in enumerate(qts):
-        for name, t in qt._inner().items():
+        for name, t in _inner(qt).items():
             if _gathered(name, qt.quantizer):
                 pieces.append((t, 1 if name.endswith("_t") else 0))
                 where.append((i, name))
     gathered = _gather_pieces(pieces, group_name, world, batch)
-    inners = [qt._inner() for qt in qts]
+    inners = [_inner(qt) for qt in qts]
     for (i, name), t in zip(where, gathered):
         inners[i][name] = t
-    return [qt._with(shape=(world * qt.shape[0], qt.shape[1]), **inner) for qt, inner in zip(qts, inners)]
+    return [_rebuild(qt, (world * qt.shape[0], qt.shape[1]), **inner) for qt, inner in zip(qts, inners)]
 
 
 def all_gather_seq(x: torch.Tensor, group_name: str, world: int, batch: int) -> torch.Tensor:
