@@ -329,6 +329,8 @@ class QuantizedSequenceParallelInput(_tp.ParallelStyle):
         seq_dim, what = self.sequence_dim, f"QuantizedSequenceParallelInput on {type(module).__name__}"
 
         def gather(mod, args):
+            if not args:
+                raise ValueError(f"{what}: the module must get its input as the first positional argument")
             x = args[0]
             if isinstance(x, DTensor):
                 if tuple(x.placements) != (Shard(seq_dim),):

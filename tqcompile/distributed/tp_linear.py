@@ -346,6 +346,10 @@ def colwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, h
 
 def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories) -> torch.Tensor:
     """y = x @ W.T + b with x and W sharded on the input features, y reduced (see the module docstring)."""
+    if isinstance(x, SequenceGatheredInput):
+        raise TypeError(
+            f"{what}: a shared gathered input (QuantizedSequenceParallelInput) feeds ColwiseParallel layers only, not RowwiseParallel"
+        )
     hist = histories or (None, None, None)
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return _RowwiseLinear.apply(x, weight, bias, recipe, group, world, mode, seq_dim, what, backward, *hist)
