@@ -20,6 +20,22 @@ def _transformed(q: Quantizer) -> bool:
     return isinstance(q, NVFP4Quantizer) and q.hadamard
 
 
+def _check_amax_history(amax_history, quantizer: Quantizer) -> None:
+    if not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
+        raise ValueError(
+            f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}"
+        )
+    if not isinstance(amax_history, torch.Tensor):
+        raise TypeError(f"tq.quantize: amax_history must be a 1-D torch.float32 tensor, got {type(amax_history).__name__}")
+    # An integer history would truncate the amaxes written into it, a bf16/fp16 one round them and give
+    # low-precision scales: scales are computed in fp32 from fp32 amaxes.
+    if amax_history.dtype != torch.float32 or amax_history.dim() != 1 or amax_history.numel() == 0:
+        raise ValueError(
+            f"tq.quantize: amax_history has dtype {amax_history.dtype} and shape {tuple(amax_history.shape)}; allowed: "
+            "a non-empty 1-D torch.float32 tensor (e.g. torch.zeros(16))"
+        )
+
+
 def quantize(
     x: torch.Tensor,
     quantizer: Quantizer,
@@ -59,23 +75,31 @@ def quantize(
         raise TypeError(f"tq.quantize: quantizer must be an instance; got the class {quantizer.__name__}, pass {quantizer.__name__}()")
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"tq.quantize: quantizer must be a tq.Quantizer (Float8Quantizer, ...), got {type(quantizer).__name__}")
+    if not (rowwise or columnwise):
+        raise ValueError("tq.quantize: ask for at least one usage (rowwise=True and/or columnwise=True)")
+    # Errors about x itself: raised now in eager mode; under torch.compile, when the compiled code
+    # runs, with a placeholder x traced in between (see tqcompile.ops.errors for why).
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
+        message = (
             f"tq.quantize: x.dtype={x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16 "
             f"(cast first, e.g. x.float())"
         )
-    if not (rowwise or columnwise):
-        raise ValueError("tq.quantize: ask for at least one usage (rowwise=True and/or columnwise=True)")
-    quantizer.check_shape(x.shape)
+        x = ops.raise_error(TypeError, message, x, x.shape, torch.float32)
+    if quantizer.shape_error(x.shape) is not None:
+        shape = ops.static_shape(x.shape)  # a constant message under dynamic shapes too
+        x = ops.raise_error(ValueError, quantizer.shape_error(shape), x, quantizer.padded_shape(shape))
     x_t = None
     if columnwise:
         if x.dim() < 1:
             raise ValueError("tq.quantize: columnwise usage needs a tensor with at least 1 dim")
         x_t = x.reshape(x.shape[:-1].numel(), x.shape[-1]).t()  # not reshape(-1, K): ambiguous when K == 0
-        try:
-            quantizer.check_shape(x_t.shape)
-        except ValueError as e:
-            raise ValueError(f"tq.quantize: columnwise usage quantizes the transpose, of shape {tuple(x_t.shape)}: {e}") from None
+        if quantizer.shape_error(x_t.shape) is not None:
+            shape_t = ops.static_shape(x_t.shape)
+            problem = quantizer.shape_error(shape_t)
+            message = f"tq.quantize: columnwise usage quantizes the transpose, of shape {shape_t}: {problem}"
+            padded_t = quantizer.padded_shape(shape_t)
+            x = ops.raise_error(ValueError, message, x, None if padded_t is None else padded_t[::-1])
+            x_t = x.t()
     if seed is None and quantizer.needs_seed():
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
     elif seed is not None and not isinstance(seed, torch.Tensor):
@@ -83,8 +107,8 @@ def quantize(
     elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
         raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
 
-    if amax_history is not None and not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
-        raise ValueError(f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}")
+    if amax_history is not None:
+        _check_amax_history(amax_history, quantizer)
     group_name = group_name_of(amax_group)
     amax = amax_t = None
     if quantizer.uses_tensor_amax():

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tqcompile as tq
-from tqcompile.nn.linear import grouped_unsupported_reason
+from tqcompile.nn.grouped import grouped_unsupported_reason
 
 __all__ = ["GPTConfig", "GPT", "Experts", "MoE", "quantize_model", "keep_high_precision"]
 
