@@ -109,7 +109,10 @@ class _TPLinear:
         weight = self.weight.to_local()
         bias = None if self.bias is None else self.bias.to_local()
         fn = colwise_linear if tp.kind == "colwise" else rowwise_linear
-        y = fn(x, weight, bias, self.recipe, tp.group, tp.world, tp.mode, tp.seq_dim, tp.what, self._histories())
+        # Delayed-scaling histories roll in training mode only (as in tq.nn.Linear); read `training`
+        # only where it matters, so Dynamo guards on it only for delayed-scaling recipes.
+        update = self.training if self.recipe.amax_history_len else True
+        y = fn(x, weight, bias, self.recipe, tp.group, tp.world, tp.mode, tp.seq_dim, tp.what, self._histories(), update)
         if not tp.use_local_output:
             y = DTensor.from_local(y, self._tp_mesh, [tp.output_placement], run_check=False)
         return y

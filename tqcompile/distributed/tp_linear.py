@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from tqcompile import ops
 from tqcompile.api import quantize
 from tqcompile.distributed import tp_comm as comm
 from tqcompile.nn.functional import qgemm
@@ -110,6 +111,29 @@ def _wgrad_operand(qx_gathered: QuantizedTensor, qw_gathered: QuantizedTensor | 
     return qw_gathered if qw_gathered is not None else comm.columnwise_from_rowwise(qx_gathered)
 
 
+def _history_copies(hist_x, hist_w):
+    # Delayed scaling, as `tq.nn.functional.linear` does it: forward quantizes from copies of the
+    # histories (the op rolls the copy, whose index 0 is then this call's group-reduced amax); the
+    # buffers themselves roll in backward, so a recomputed forward sees what the original saw.
+    return (None, None) if hist_x is None else (hist_x.clone(), hist_w.clone())
+
+
+def _current_amaxes(next_x, next_w):
+    return None if next_x is None else torch.stack((next_x[0], next_w[0]))
+
+
+def _roll_histories(histories, current_amaxes, update: bool):
+    """Roll the input and weight histories (training only); return the gradient's history to quantize
+    dy with (a copy in eval mode, so it scales from the history without rolling it)."""
+    hist_x, hist_w, hist_dy = histories
+    if hist_dy is not None and not update:
+        hist_dy = hist_dy.clone()
+    if hist_x is not None and update:
+        ops.amax_history_update(hist_x, current_amaxes[0])
+        ops.amax_history_update(hist_w, current_amaxes[1])
+    return hist_dy
+
+
 class _ColwiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -126,6 +150,7 @@ class _ColwiseLinear(torch.autograd.Function):
         seq_dim,
         what,
         backward,
+        update,
         hist_x,
         hist_w,
         hist_dy,
@@ -133,6 +158,7 @@ class _ColwiseLinear(torch.autograd.Function):
         r = recipe
         need_dgrad, need_wgrad = backward and ctx.needs_input_grad[0], backward and ctx.needs_input_grad[1]
         hp_wgrad = r.wgrad_input is None
+        next_x, next_w = _history_copies(hist_x, hist_w)
         batch = seq_local = 0
         saved_x = saved_xw = None
         out_lead = x.shape[:-1]
@@ -143,7 +169,7 @@ class _ColwiseLinear(torch.autograd.Function):
             batch, seq_local = _batch_seq(x.shape, seq_dim)
             out_lead = (*x.shape[:-2], seq_local * world)
             x2 = x.reshape(-1, x.shape[-1])
-            qx, qxw = _quantize_gather(x2, r, group, world, batch, seq_local, what, need_wgrad and not hp_wgrad, hist_x, True)
+            qx, qxw = _quantize_gather(x2, r, group, world, batch, seq_local, what, need_wgrad and not hp_wgrad, next_x, True)
             if need_wgrad:
                 # Keep only what wgrad reads: the gathered rowwise payload (transposed there) or the local
                 # columnwise shard (gathered there), or the high-precision shard.
@@ -151,7 +177,7 @@ class _ColwiseLinear(torch.autograd.Function):
         else:  # replicated input: every rank holds all of x, so quantizing it whole is the single-process quantization
             x2 = x.reshape(-1, x.shape[-1])
             x_shared = need_wgrad and r.wgrad_input == r.fprop_input
-            qx = quantize(x2, r.fprop_input, columnwise=x_shared, amax_history=hist_x)
+            qx = quantize(x2, r.fprop_input, columnwise=x_shared, amax_history=next_x)
             if need_wgrad:
                 if hp_wgrad:
                     saved_x = x2
@@ -160,19 +186,21 @@ class _ColwiseLinear(torch.autograd.Function):
                 else:
                     saved_x = quantize(x2, r.wgrad_input, rowwise=False, columnwise=True)
         w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-        qw = comm.quantize_shard(weight, r.fprop_weight, group, 0, columnwise=w_shared, amax_history=hist_w)
+        qw = comm.quantize_shard(weight, r.fprop_weight, group, 0, columnwise=w_shared, amax_history=next_w)
         y = qgemm(qx, False, qw, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
-        ctx.save_for_backward(saved_w, saved_x, saved_xw, hist_dy)
-        ctx.args = (r, group, world, mode, shared_fprop is not None, batch, x.shape, x.dtype, w_shared, bias is not None)
+        ctx.save_for_backward(saved_w, saved_x, saved_xw, _current_amaxes(next_x, next_w))
+        ctx.histories = (hist_x, hist_w, hist_dy)  # not saved tensors: backward mutates them (see nn.functional)
+        ctx.args = (r, group, world, mode, shared_fprop is not None, batch, x.shape, x.dtype, w_shared, bias is not None, update)
         return y.reshape(*out_lead, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        r, group, world, mode, shared, batch, x_shape, x_dtype, w_shared, has_bias = ctx.args
-        saved_w, saved_x, saved_xw, hist_dy = ctx.saved_tensors
+        r, group, world, mode, shared, batch, x_shape, x_dtype, w_shared, has_bias, update = ctx.args
+        saved_w, saved_x, saved_xw, current_amaxes = ctx.saved_tensors
+        hist_dy = _roll_histories(ctx.histories, current_amaxes, update)
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_wgrad = ctx.needs_input_grad[1]
         dy_shared = need_wgrad and r.wgrad_grad == r.dgrad_grad
@@ -207,18 +235,21 @@ class _ColwiseLinear(torch.autograd.Function):
                 dw = qgemm(qdy_t, True, qx_t, True, w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, group, world, mode, seq_dim, what, backward, hist_x, hist_w, hist_dy):
+    def forward(
+        ctx, x, weight, bias, recipe: Recipe, group, world, mode, seq_dim, what, backward, update, hist_x, hist_w, hist_dy
+    ):
         r = recipe
         need_dgrad, need_wgrad = backward and ctx.needs_input_grad[0], backward and ctx.needs_input_grad[1]
         x2 = x.reshape(-1, x.shape[-1])
+        next_x, next_w = _history_copies(hist_x, hist_w)
         # x and W are split on K: amaxes and per-row amaxes along K are reduced over the TP group.
         x_shared = need_wgrad and r.wgrad_input == r.fprop_input
-        qx = comm.quantize_shard(x2, r.fprop_input, group, 1, columnwise=x_shared, amax_history=hist_x)
+        qx = comm.quantize_shard(x2, r.fprop_input, group, 1, columnwise=x_shared, amax_history=next_x)
         if not need_wgrad:
             saved_x = None
         elif r.wgrad_input is None:
@@ -228,7 +259,7 @@ class _RowwiseLinear(torch.autograd.Function):
         else:
             saved_x = comm.quantize_shard(x2, r.wgrad_input, group, 1, rowwise=False, columnwise=True)
         w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-        qw = comm.quantize_shard(weight, r.fprop_weight, group, 1, columnwise=w_shared, amax_history=hist_w)
+        qw = comm.quantize_shard(weight, r.fprop_weight, group, 1, columnwise=w_shared, amax_history=next_w)
         y2 = qgemm(qx, False, qw, False, x.dtype)  # a partial sum over the K shards
         if mode == SEQUENCE:
             batch, seq_full = _batch_seq(x.shape, seq_dim)
@@ -243,14 +274,16 @@ class _RowwiseLinear(torch.autograd.Function):
         if bias is not None:
             y2 = y2 + bias.to(y2.dtype)
         saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
-        ctx.save_for_backward(saved_w, saved_x, hist_dy)
-        ctx.args = (r, group, world, mode, batch, x.shape, x.dtype, w_shared, bias is not None, what)
+        ctx.save_for_backward(saved_w, saved_x, _current_amaxes(next_x, next_w))
+        ctx.histories = (hist_x, hist_w, hist_dy)
+        ctx.args = (r, group, world, mode, batch, x.shape, x.dtype, w_shared, bias is not None, what, update)
         return y2.reshape(out_shape)
 
     @staticmethod
     def backward(ctx, dy):
-        r, group, world, mode, batch, x_shape, x_dtype, w_shared, has_bias, what = ctx.args
-        saved_w, saved_x, hist_dy = ctx.saved_tensors
+        r, group, world, mode, batch, x_shape, x_dtype, w_shared, has_bias, what, update = ctx.args
+        saved_w, saved_x, current_amaxes = ctx.saved_tensors
+        hist_dy = _roll_histories(ctx.histories, current_amaxes, update)
         dy2 = dy.reshape(-1, dy.shape[-1])
         db = None
         if has_bias and ctx.needs_input_grad[2]:
@@ -293,7 +326,7 @@ class _RowwiseLinear(torch.autograd.Function):
                     dw = (dy2.t() @ saved_x.to(dy2.dtype)).to(w_dtype)
             else:
                 dw = qgemm(qdy_t, True, saved_x, True, w_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
 
 
 class _AnchorGrad(torch.autograd.Function):
@@ -327,7 +360,7 @@ def gather_input(x: torch.Tensor, recipe: Recipe, group: str, world: int, seq_di
     return SequenceGatheredInput(anchor, qx, qxw)
 
 
-def colwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories) -> torch.Tensor:
+def colwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories, update_histories=True) -> torch.Tensor:
     """y = x @ W.T + b with W (and b) sharded on the output features (see the module docstring)."""
     hist = histories or (None, None, None)
     if isinstance(x, SequenceGatheredInput):
@@ -338,13 +371,15 @@ def colwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, h
         anchor = x.anchor
         backward = torch.is_grad_enabled() and (anchor.requires_grad or weight.requires_grad)
         return _ColwiseLinear.apply(
-            anchor, weight, bias, x.fprop, x.wgrad, recipe, group, world, mode, seq_dim, what, backward, *hist
+            anchor, weight, bias, x.fprop, x.wgrad, recipe, group, world, mode, seq_dim, what, backward, update_histories, *hist
         )
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _ColwiseLinear.apply(x, weight, bias, None, None, recipe, group, world, mode, seq_dim, what, backward, *hist)
+    return _ColwiseLinear.apply(
+        x, weight, bias, None, None, recipe, group, world, mode, seq_dim, what, backward, update_histories, *hist
+    )
 
 
-def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories) -> torch.Tensor:
+def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories, update_histories=True) -> torch.Tensor:
     """y = x @ W.T + b with x and W sharded on the input features, y reduced (see the module docstring)."""
     if isinstance(x, SequenceGatheredInput):
         raise TypeError(
@@ -352,4 +387,4 @@ def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, h
         )
     hist = histories or (None, None, None)
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _RowwiseLinear.apply(x, weight, bias, recipe, group, world, mode, seq_dim, what, backward, *hist)
+    return _RowwiseLinear.apply(x, weight, bias, recipe, group, world, mode, seq_dim, what, backward, update_histories, *hist)
