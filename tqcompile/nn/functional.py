@@ -49,13 +49,18 @@ class _QuantizedLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         x_shared = need_wgrad and r.wgrad_input == r.fprop_input
         qx = quantize(x2, r.fprop_input, amax_group=amax_group, columnwise=x_shared, amax_history=hist_x)
-        w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-        qw = quantize(weight, r.fprop_weight, columnwise=w_shared, amax_history=hist_w)
+        if isinstance(weight, QuantizedTensor):
+            # --- FSDP2 quantized all-gather (tq.distributed.fsdp): the weight arrives quantized,
+            # with its usages for fprop and dgrad; its delayed-scaling history was rolled there.
+            w_shared, qw = need_dgrad, weight
+        else:
+            w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
+            qw = quantize(weight, r.fprop_weight, columnwise=w_shared, amax_history=hist_w)
         y = qgemm(qx, False, qw, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
 
-        saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
+        saved_w = qw if qw is weight else qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
         if not need_wgrad:
             saved_x = None
         elif r.wgrad_input is None:
@@ -121,6 +126,8 @@ def linear(
         raise TypeError(f"linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input last dim {x.shape[-1]} does not match weight in_features {weight.shape[-1]}")
+    if isinstance(weight, QuantizedTensor) and not (weight.quantizer == recipe.fprop_weight == recipe.dgrad_weight):
+        raise ValueError(f"linear: a quantized weight ({weight!r}) must use recipe {recipe.name!r}'s fprop and dgrad weight quantizer")
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     reason = recipe.unsupported_reason(weight.shape[-1], weight.shape[0], x.numel() // max(x.shape[-1], 1), backward=backward)
     if reason:
