@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tqcompile import ops
 from tqcompile.distributed.groups import all_reduce_amax
@@ -49,7 +50,7 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 
-__all__ = ["QuantizedWeight", "quantized_all_gather_reason", "enable_quantized_all_gather", "precompute_scales"]
+__all__ = ["QuantizedWeight", "QuantizedAllGatherWarning", "quantized_all_gather_reason", "enable_quantized_all_gather", "precompute_scales"]
 
 aten = torch.ops.aten
 _U8 = torch.uint8
@@ -105,6 +106,7 @@ class _Plan:
     rowwise: bool
     columnwise: bool
     buffer_bytes: int  # per rank, equal in every gather of this weight
+    high_precision: bool = False  # shards would cut blocks: gather param_dtype, quantize after
 
     @property
     def rows(self) -> int:  # padded shard rows
@@ -129,26 +131,29 @@ def _nbytes(parts) -> int:
     return sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in parts)
 
 
-def _check_shard(q: Quantizer, shape: tuple[int, int], world: int, layer: str) -> None:
+def _cut_blocks(q: Quantizer, shape: tuple[int, int], world: int, layer: str) -> str | None:
+    """Why shards of `shape` over `world` ranks would cut `q`'s scaling blocks (None: they do not)."""
     n = math.ceil(shape[0] / world)
     gran, _, block = q.layout()
-    needs = []
+    extent, what = 1, []
     if gran is Granularity.BLOCKWISE_2D:
-        needs.append(f"{block}x{block} blocks")
-    if gran is Granularity.BLOCKWISE_1D:
-        needs.append(f"the columnwise (dgrad) blocks of {block} along dim 0")
-    if q.element_format().bits == 4:
-        needs.append("4-bit packing of the columnwise usage")
-    extent = block if gran in (Granularity.BLOCKWISE_2D, Granularity.BLOCKWISE_1D) else 1
-    extent = extent * 2 // math.gcd(extent, 2) if q.element_format().bits == 4 else extent
-    if n % extent:
-        good = extent * world
-        raise ValueError(
-            f"tq FSDP2 quantized all-gather: layer {layer!r}, weight of shape {tuple(shape)} sharded over {world} ranks "
-            f"gives shards of {n} rows, which cut {' and '.join(needs)} of {q!r} (shard rows must be a multiple of {extent}). "
-            f"Make out_features a multiple of {good} (pad the layer), shard over fewer ranks, or convert with "
-            f"fsdp_quantized_all_gather=False to gather this layer in high precision."
-        )
+        extent, what = block, [f"its {block}x{block} blocks"]
+    elif gran is Granularity.BLOCKWISE_1D:
+        extent, what = block, [f"the columnwise (dgrad) blocks of {block} along dim 0"]
+    if q.element_format().bits == 4 and extent % 2:
+        extent, what = extent * 2, [*what, "4-bit packing"]
+    if n % extent == 0:
+        return None
+    return (
+        f"layer {layer!r}: its weight of shape {tuple(shape)} sharded over {world} ranks gives shards of {n} rows, which "
+        f"cut {' and '.join(what)} ({q!r}; shard rows must be a multiple of {extent}). It is all-gathered in high "
+        f"precision instead (same numerics, more bytes). To gather it quantized, make out_features a multiple of "
+        f"{extent * world} or shard over fewer ranks; convert with fsdp_quantized_all_gather=False to silence this."
+    )
+
+
+class QuantizedAllGatherWarning(UserWarning):
+    """A weight FSDP2 all-gathers in high precision because its shards would cut scaling blocks."""
 
 
 def _fsdp_param_group_of(weight: QuantizedWeight) -> tuple[Any, Any] | None:
@@ -201,10 +206,12 @@ class QuantizedWeight(torch.Tensor):
         self.quantizer = quantizer
         self.layer = layer
         self._fsdp = None
+        self._updates = 0  # in-place updates seen (see __torch_dispatch__)
         # (version of _tensor, param dtype) -> amaxes; see `_amaxes`.
         self._amax_cache: tuple[int, torch.Tensor | None, torch.Tensor | None] | None = None
         self._forward_amax: tuple[int, torch.Tensor | None] | None = None
         self._buffer_bytes: int | None = None
+        self._warned = False
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self._tensor!r}, quantizer={self.quantizer!r})"
@@ -229,7 +236,12 @@ class QuantizedWeight(torch.Tensor):
         out = func(*tree_map_only(QuantizedWeight, unwrap, args), **tree_map_only(QuantizedWeight, unwrap, kwargs))
         if func in _PRESERVE:
             return tree_map_only(torch.Tensor, lambda t: QuantizedWeight(t, first.quantizer, first.layer), out)
-        if func._schema.name.endswith("_") or func is aten.copy_.default:  # in place: keep the wrapper
+        if func._schema.name.endswith("_"):  # in place (an optimizer step, a checkpoint load)
+            # The inner tensor's version counter does not move under __torch_dispatch__ (it runs below
+            # ADInplaceOrView), so count updates here: they invalidate the cached amaxes.
+            for t in tree_leaves(args[:1]):
+                if isinstance(t, QuantizedWeight):
+                    t._updates += 1
             return args[0] if isinstance(args[0], QuantizedWeight) else out
         return out
 
@@ -245,13 +257,13 @@ class QuantizedWeight(torch.Tensor):
         return tensor_amax, column_amax
 
     def _set_amaxes(self, tensor_amax, column_amax) -> None:
-        self._amax_cache = (self._tensor._version, tensor_amax, column_amax)
+        self._amax_cache = (self._updates, tensor_amax, column_amax)
 
     def _amaxes(self, group_name: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The group-reduced fp32 amaxes of the whole weight; reused while the weight is unchanged
         (its version counter, which every in-place update bumps), so a backward re-gather and a
         `precompute_scales` call cost no collective."""
-        if self._amax_cache is not None and self._amax_cache[0] == self._tensor._version:
+        if self._amax_cache is not None and self._amax_cache[0] == self._updates:
             return self._amax_cache[1], self._amax_cache[2]
         t, c = self._local_amaxes()
         flat = [x.reshape(-1) for x in (t, c) if x is not None]
@@ -275,7 +287,12 @@ class QuantizedWeight(torch.Tensor):
                 f"tq FSDP2 quantized all-gather: layer {self.layer!r} is sharded on dim {fsdp_param.fsdp_placement.dim}; "
                 "only dim 0 (the default) is supported"
             )
-        _check_shard(q, shape, world, self.layer)
+        cut = _cut_blocks(q, shape, world, self.layer)
+        if cut is not None:
+            if not self._warned:
+                warnings.warn(f"tq FSDP2 quantized all-gather: {cut}", QuantizedAllGatherWarning, stacklevel=2)
+                self._warned = True
+            return _Plan(q, shape, world, False, False, 0, high_precision=True)
         in_backward = group._training_state.name == "PRE_BACKWARD"
         if _transposable(q):
             rowwise, columnwise, both = True, False, ("row",)
@@ -304,6 +321,11 @@ class QuantizedWeight(torch.Tensor):
             )
         self._buffer_bytes = plan.buffer_bytes
         param_dtype = mp_policy.param_dtype or self.dtype
+        if plan.high_precision:
+            x = self._tensor.detach().to(param_dtype)
+            if x.shape[0] < plan.rows:
+                x = torch.cat((x, x.new_zeros(plan.rows - x.shape[0], x.shape[1])))
+            return (x,), (plan, None, {}, None, param_dtype)
         group_name = group.group_name
         tensor_amax, column_amax = self._amaxes(group_name)
         if tensor_amax is not None:
@@ -359,10 +381,10 @@ class QuantizedWeight(torch.Tensor):
         once per forward); a backward re-gather reuses the amax that forward scaled with."""
         found = _fsdp_param_group_of(self)
         in_backward = found is not None and found[0]._training_state.name == "PRE_BACKWARD"
-        if in_backward and self._forward_amax is not None and self._forward_amax[0] == self._tensor._version:
+        if in_backward and self._forward_amax is not None and self._forward_amax[0] == self._updates:
             return self._forward_amax[1]
         used = ops.amax_history_update(hist, amax)
-        self._forward_amax = (self._tensor._version, used)
+        self._forward_amax = (self._updates, used)
         return used
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out: torch.Tensor | None = None):
@@ -370,6 +392,13 @@ class QuantizedWeight(torch.Tensor):
         plan, tensor_amax, scales, group_name, _ = metadata
         (gathered,) = all_gather_outputs
         world, (rows, k), q = plan.world, plan.shape, plan.quantizer
+        if plan.high_precision:
+            full = gathered.view(-1, k)[:rows].clone()
+            if out is not None:
+                with torch.no_grad():
+                    out.copy_(full)
+                return None
+            return full, [full]
         per_rank = gathered.view(_U8).view(world, -1)
         got: dict[str, torch.Tensor] = {}
         offset = 0
