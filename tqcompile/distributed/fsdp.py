@@ -364,17 +364,15 @@ class QuantizedWeight(torch.Tensor):
             if "_scale_inv_t" not in scales:
                 packed.append(scale_inv_t.view(_U8).reshape(-1))
         buf = torch.cat(packed) if packed else x.new_zeros(0, dtype=_U8)
-        nbytes = plan.buffer_bytes
-        if outer_size[0] % world:
-            # FSDP2 wants all-gather inputs of the padded shard's shape on uneven shards: the
-            # smallest dtype whose (n, K) tensor holds the buffer.
-            dtype = next(d for d in (torch.uint8, torch.int16, torch.int32, torch.int64) if n * k * d.itemsize >= nbytes)
-            nbytes = n * k * dtype.itemsize
-        buf = torch.cat((buf, buf.new_zeros(nbytes - buf.numel()))) if buf.numel() < nbytes else buf
-        if outer_size[0] % world:
-            buf = buf.view(dtype).view(n, k)
+        buf = torch.cat((buf, buf.new_zeros(plan.buffer_bytes - buf.numel()))) if buf.numel() < plan.buffer_bytes else buf
         meta = (plan, tensor_amax, scales, group_name, param_dtype)
-        return (buf,), meta
+        if outer_size[0] % world == 0:
+            return (buf,), meta
+        # Uneven shards: FSDP2 wants every all-gather input in the padded shard's shape, so the buffer
+        # travels as that many (n, K) uint8 chunks (at most 2 bytes an element: gloo moves no int16).
+        chunks = math.ceil(buf.numel() / (n * k))
+        buf = torch.cat((buf, buf.new_zeros(chunks * n * k - buf.numel())))
+        return tuple(buf.view(chunks, n, k).unbind(0)), meta
 
     def _delayed(self, hist: torch.Tensor, amax: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """Delayed scaling: the forward's gather rolls the weight's history once (as the layer does
@@ -390,8 +388,9 @@ class QuantizedWeight(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out: torch.Tensor | None = None):
         """Unpack every rank's buffer into the unsharded QuantizedTensor (or refill `out`)."""
         plan, tensor_amax, scales, group_name, _ = metadata
-        (gathered,) = all_gather_outputs
         world, (rows, k), q = plan.world, plan.shape, plan.quantizer
+        # Each output holds every rank's input, rank after rank; uneven shards split one rank's buffer over several.
+        gathered = torch.cat([t.reshape(world, -1).view(_U8) for t in all_gather_outputs], 1) if len(all_gather_outputs) > 1 else all_gather_outputs[0]
         if plan.high_precision:
             full = gathered.view(-1, k)[:rows].clone()
             if out is not None:
