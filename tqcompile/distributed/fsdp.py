@@ -394,7 +394,7 @@ class QuantizedWeight(torch.Tensor):
         if plan.high_precision:
             full = gathered.view(-1, k)[:rows].clone()
             if out is not None:
-                with torch.no_grad():
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                     out.copy_(full)
                 return None
             return full, [full]
@@ -420,12 +420,16 @@ class QuantizedWeight(torch.Tensor):
             got["_scale_inv_t"] = got["_scale_inv"].t()
         got = {name: t.contiguous().clone() for name, t in got.items()}
         if out is not None:
-            for name, t in got.items():
-                dst = getattr(out, name)
-                if dst.dim() and dst.element_size() == 1:
-                    dst.view(_U8).copy_(t.view(_U8))  # float8 / e8m0 payloads and scales: copy their bytes
-                else:
-                    dst.copy_(t)
+            dsts = {name: getattr(out, name) for name in got}
+            # A refill is the same value autograd saved (the weight did not change since forward), so
+            # keep the version counters, as FSDP2 does for its own all-gather outputs.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(dsts.values())):
+                for name, t in got.items():
+                    dst = dsts[name]
+                    if dst.dim() and dst.element_size() == 1:
+                        dst.view(_U8).copy_(t.view(_U8))  # float8 / e8m0 payloads and scales: copy their bytes
+                    else:
+                        dst.copy_(t)
             return None
         # Every usage exists from the first gather on, since FSDP2 frees and refills these same
         # tensors: a usage a pass does not gather stays unfilled there, and that pass does not read it.
