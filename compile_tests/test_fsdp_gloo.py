@@ -109,7 +109,8 @@ def _check_planted_outlier(rank: int, results: dict) -> None:
         gathered = layer.weight
         assert isinstance(gathered, tq.QuantizedTensor), type(gathered)
         assert gathered.amax_group_name == dist.group.WORLD.group_name
-        results[f"outlier_{name}"] = ({n: getattr(gathered, n) for n in gathered.__tensor_flatten__()[0]}, full)
+        # Cloned: reshard() frees the storage of the gathered tensors.
+        results[f"outlier_{name}"] = ({n: getattr(gathered, n).clone() for n in gathered.__tensor_flatten__()[0]}, full)
         layer.reshard()
 
 

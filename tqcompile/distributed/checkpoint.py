@@ -1,7 +1,8 @@
 """`torch.distributed.checkpoint` (DCP) save and load of converted models, sharded or not.
 
-A converted model's state dict has exactly `nn.Linear`'s keys (the FSDP2 weight wrapper,
-`QuantizedWeight`, is a high-precision tensor to DCP), so DCP reshards it like any model: a
+A converted model's state dict has exactly `nn.Linear`'s keys, and `save` writes the
+high-precision tensors the FSDP2 weight wrapper (`QuantizedWeight`) holds, so DCP reshards it like
+any model: a
 checkpoint saved by FSDP2 on 2 ranks loads into 1 process and the other way round. What DCP cannot
 check is that the checkpoint was made for the same quantization: `save` adds one entry, the recipe
 of every converted layer, and `load` compares it before it loads anything else.
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError"]
 
@@ -49,6 +51,20 @@ def quantization_metadata(model: nn.Module) -> dict[str, str]:
     return {_clean(name): repr(m.recipe) for name, m in model.named_modules() if isinstance(m, _Quantized)}
 
 
+def _plain(value):
+    """The high-precision tensor a `QuantizedWeight` (or a DTensor of one) holds, sharing its storage,
+    so the files hold plain tensors that any process can load (with `weights_only=True`)."""
+    from torch.distributed.tensor import DTensor
+
+    from tqcompile.distributed.fsdp import QuantizedWeight
+
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, QuantizedWeight):
+        return DTensor.from_local(
+            value._local_tensor._tensor, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    return value._tensor if isinstance(value, QuantizedWeight) else value
+
+
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_id: str | os.PathLike) -> None:
     """Save `model` (and `optimizer`) with DCP, sharded as they are, plus the quantization metadata.
 
@@ -60,7 +76,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_i
     state = {"model": get_model_state_dict(model), _KEY: json.dumps(quantization_metadata(model), sort_keys=True)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=checkpoint_id)
+    dcp.save(tree_map_only(torch.Tensor, _plain, state), checkpoint_id=checkpoint_id)
 
 
 def _check(saved: dict[str, str], current: dict[str, str], checkpoint_id) -> None:
