@@ -2,7 +2,7 @@
 
 import torch as _torch
 
-from tqcompile import nn, optim, recipes  # noqa: E402  (these import the names above)
+from tqcompile import distributed, nn, optim, recipes  # noqa: E402  (these import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.formats import Format
 from tqcompile.nn.convert import convert
@@ -37,6 +37,7 @@ __all__ = [
     "nn",
     "optim",
     "convert",
+    "distributed",
 ]
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.

@@ -60,7 +60,12 @@ def _plain(value):
 
     if isinstance(value, DTensor) and isinstance(value._local_tensor, QuantizedWeight):
         return DTensor.from_local(
-            value._local_tensor._tensor, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            value._local_tensor._tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
         )
     return value._tensor if isinstance(value, QuantizedWeight) else value
 
@@ -96,7 +101,9 @@ def _check(saved: dict[str, str], current: dict[str, str], checkpoint_id) -> Non
         )
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_id: str | os.PathLike, *, strict: bool = True) -> None:
+def load(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_id: str | os.PathLike, *, strict: bool = True
+) -> None:
     """Load a checkpoint written by `save` into `model` (and `optimizer`), in whatever layout they
     now have (FSDP2 on any number of ranks, or one process). Raises `CheckpointMismatchError` if
     the checkpoint's converted layers or recipes differ from the model's, before loading anything.

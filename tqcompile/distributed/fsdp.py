@@ -50,7 +50,13 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 
-__all__ = ["QuantizedWeight", "QuantizedAllGatherWarning", "quantized_all_gather_reason", "enable_quantized_all_gather", "precompute_scales"]
+__all__ = [
+    "QuantizedWeight",
+    "QuantizedAllGatherWarning",
+    "quantized_all_gather_reason",
+    "enable_quantized_all_gather",
+    "precompute_scales",
+]
 
 aten = torch.ops.aten
 _U8 = torch.uint8
@@ -197,8 +203,14 @@ class QuantizedWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, quantizer: Quantizer, layer: str = ""):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
-            device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad,
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            layout=tensor.layout,
+            requires_grad=tensor.requires_grad,
         )
 
     def __init__(self, tensor: torch.Tensor, quantizer: Quantizer, layer: str = ""):
@@ -215,6 +227,11 @@ class QuantizedWeight(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self._tensor!r}, quantizer={self.quantizer!r})"
+
+    def __reduce_ex__(self, protocol):
+        # Saved as the plain tensor it holds: a state dict saved with torch.save loads anywhere
+        # (weights_only=True too), and loads back into a converted model through copy_.
+        return self._tensor.__reduce_ex__(protocol)
 
     def __tensor_flatten__(self):
         return ["_tensor"], (self.quantizer, self.layer)
@@ -253,7 +270,9 @@ class QuantizedWeight(torch.Tensor):
         column_amax = None
         if q.layout()[0] is Granularity.ROWWISE:
             a = w.detach().float().abs()
-            column_amax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(0) if a.shape[0] else a.new_zeros(a.shape[1])
+            column_amax = (
+                torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(0) if a.shape[0] else a.new_zeros(a.shape[1])
+            )
         return tensor_amax, column_amax
 
     def _set_amaxes(self, tensor_amax, column_amax) -> None:
@@ -310,7 +329,9 @@ class QuantizedWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy):
         """Quantize this shard (amaxes reduced over the shard group) into one uint8 buffer."""
         if len(outer_size) != 2:
-            raise ValueError(f"tq FSDP2 quantized all-gather: layer {self.layer!r}: expected a 2-D weight, got {tuple(outer_size)}")
+            raise ValueError(
+                f"tq FSDP2 quantized all-gather: layer {self.layer!r}: expected a 2-D weight, got {tuple(outer_size)}"
+            )
         group = mesh.get_group()
         world = group.size()
         plan = self._plan(tuple(outer_size), world, module)
@@ -390,7 +411,11 @@ class QuantizedWeight(torch.Tensor):
         plan, tensor_amax, scales, group_name, _ = metadata
         world, (rows, k), q = plan.world, plan.shape, plan.quantizer
         # Each output holds every rank's input, rank after rank; uneven shards split one rank's buffer over several.
-        gathered = torch.cat([t.reshape(world, -1).view(_U8) for t in all_gather_outputs], 1) if len(all_gather_outputs) > 1 else all_gather_outputs[0]
+        gathered = (
+            torch.cat([t.reshape(world, -1).view(_U8) for t in all_gather_outputs], 1)
+            if len(all_gather_outputs) > 1
+            else all_gather_outputs[0]
+        )
         if plan.high_precision:
             full = gathered.view(-1, k)[:rows].clone()
             if out is not None:
@@ -435,7 +460,13 @@ class QuantizedWeight(torch.Tensor):
         # tensors: a usage a pass does not gather stays unfilled there, and that pass does not read it.
         for name, shape in _full_shapes(q, rows, k).items():
             if name not in got and (tensor_amax is not None or not name.startswith("_amax")):
-                dtype = torch.float32 if name.startswith("_amax") else q.scale_dtype() if "scale" in name else q.element_format().storage_dtype
+                dtype = (
+                    torch.float32
+                    if name.startswith("_amax")
+                    else q.scale_dtype()
+                    if "scale" in name
+                    else q.element_format().storage_dtype
+                )
                 got[name] = torch.zeros(shape, dtype=dtype, device=gathered.device)
         result = QuantizedTensor((rows, k), q, param_dtype, group_name, **got)
         return result, list(result._inner().values())
