@@ -195,9 +195,7 @@ def _to_copy(func, args, kwargs):
 def _transpose(func, args, kwargs):
     self = args[0]
     if self.dim() != 2 or (func is aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]):
-        raise NotImplementedError(
-            f"QuantizedTensor supports t()/transpose(0, 1) of 2-D tensors only; got {func} on shape {tuple(self.shape)}"
-        )
+        raise NotImplementedError(f"QuantizedTensor supports t()/transpose(0, 1) of 2-D tensors only; got {func} on shape {tuple(self.shape)}")
     inner = self._inner()
     swapped = {b: inner[a] for a, b in zip(_ROWWISE + _COLUMNWISE, _COLUMNWISE + _ROWWISE) if a in inner}
     return self._with(shape=(self.shape[1], self.shape[0]), **swapped)
@@ -252,9 +250,7 @@ def _slice(func, args, kwargs):
     start, end = rows.start, rows.start + len(rows)
     inner = self._inner()
     if "_data" in inner:
-        inner["_data"], inner["_scale_inv"] = _slice_payload(
-            inner["_data"], inner["_scale_inv"], self.quantizer, 0, start, end, self.shape[0]
-        )
+        inner["_data"], inner["_scale_inv"] = _slice_payload(inner["_data"], inner["_scale_inv"], self.quantizer, 0, start, end, self.shape[0])
     if "_data_t" in inner:
         # The columnwise payload is (K, R) with R = numel / K: dim 0 of a 1-D tensor is its K,
         # otherwise a row of dim 0 is `inner_rows` consecutive columns.
@@ -263,9 +259,7 @@ def _slice(func, args, kwargs):
         else:
             inner_rows = self.numel() // (self.shape[0] * self.shape[-1]) if self.numel() else 0
             dim_t, lo, hi, length = 1, start * inner_rows, end * inner_rows, self.shape[0] * inner_rows
-        inner["_data_t"], inner["_scale_inv_t"] = _slice_payload(
-            inner["_data_t"], inner["_scale_inv_t"], self.quantizer, dim_t, lo, hi, length
-        )
+        inner["_data_t"], inner["_scale_inv_t"] = _slice_payload(inner["_data_t"], inner["_scale_inv_t"], self.quantizer, dim_t, lo, hi, length)
     return self._with(shape=(end - start,) + tuple(self.shape[1:]), **inner)
 
 
@@ -300,7 +294,9 @@ def _copy(func, args, kwargs):
             columnwise=dst.has_columnwise,
         )
     if src.quantizer != dst.quantizer or set(src._inner()) != set(dst._inner()):
-        raise ValueError(f"copy_: source {src!r} does not match destination {dst!r}; quantizer and usages must be equal")
+        raise ValueError(
+            f"copy_: source {src!r} does not match destination {dst!r}; quantizer and usages must be equal"
+        )
     for name, t in dst._inner().items():
         t.copy_(getattr(src, name))
     return dst

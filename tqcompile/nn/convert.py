@@ -88,9 +88,7 @@ def _convert_linear(module: nn.Module, recipe: Recipe) -> None:
     module._init_quantized(recipe)
 
 
-def conversion_plan(
-    model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
-) -> list[PlannedConversion]:
+def conversion_plan(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None) -> list[PlannedConversion]:
     """What `convert(model, recipe, filter_fn=...)` would do to each convertible layer."""
     plan = []
     for name, module in model.named_modules():
