@@ -143,7 +143,13 @@ def test_conversion_plan_reports_without_converting():
     assert type(model.up) is nn.Linear, "conversion_plan does not convert"
     _convert_quietly(model)
     plan = {p.name: p.action for p in tq.nn.conversion_plan(model, RECIPE)}
-    assert plan == {"up": "already converted", "scaled": "already converted", "clamped": "skip", "residual": "already converted", "head": "already converted"}
+    assert plan == {
+        "up": "already converted",
+        "scaled": "already converted",
+        "clamped": "skip",
+        "residual": "already converted",
+        "head": "already converted",
+    }
 
 
 def test_convert_is_idempotent_with_the_same_recipe():
@@ -161,7 +167,10 @@ def test_convert_is_idempotent_with_the_same_recipe():
 def test_convert_with_another_recipe_raises():
     model = nn.Sequential(nn.Linear(64, 64))
     tq.convert(model, RECIPE)
-    with pytest.raises(ValueError, match=r"layer '0' is already converted with recipe 'fp8_tensorwise'; converting it again with 'mxfp8' is not supported"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer '0' is already converted with recipe 'fp8_tensorwise'; converting it again with 'mxfp8' is not supported",
+    ):
         tq.convert(model, tq.recipes.mxfp8())
     assert model[0].recipe == RECIPE
 
@@ -228,3 +237,57 @@ def test_registered_converter_reports_unsupported_modules_before_converting_any(
     with pytest.warns(tq.nn.ConversionWarning, match=r"1 \(Custom\): this one is not ok"):
         tq.convert(model, tq.recipes.mxfp8())
     assert calls == [model[0]] and model[0].converted_with == "mxfp8" and model[1].converted_with is None
+
+
+def test_model_with_converted_subclasses_pickles_and_saves(tmp_path):
+    """The class made for a converted subclass (QuantizedScaledLinear) cannot be found by name, so
+    pickling names the two classes it is made of; before, pickle failed with `attribute lookup failed`."""
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = Block()
+    _convert_quietly(model, tq.recipes.fp8_delayed(4))
+    x = torch.randn(8, 64)
+    expected = model.head(model.residual(model.scaled(model.up(x))))
+    for restored in (pickle.loads(pickle.dumps(model)), pickle.loads(pickle.dumps(model, protocol=0))):
+        assert type(restored.scaled) is type(model.scaled) and type(restored.residual) is type(model.residual)
+        assert restored.scaled.gain == 2.0 and restored.scaled.recipe == model.scaled.recipe
+        assert_bitwise_equal(restored.state_dict(), model.state_dict())
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert type(loaded.scaled).__name__ == "QuantizedScaledLinear" and isinstance(loaded.scaled, ScaledLinear)
+    # The delayed-scaling histories (non-persistent buffers) travel with the pickled module.
+    assert_bitwise_equal(loaded.scaled.amax_history_input, model.scaled.amax_history_input)
+    assert_bitwise_equal(loaded.head(loaded.residual(loaded.scaled(loaded.up(x)))), expected)
+    # The state_dict holds only tensors: it loads with weights_only=True, into a fresh converted model.
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    fresh = Block()
+    _convert_quietly(fresh)
+    fresh.load_state_dict(state)
+    assert_bitwise_equal(fresh.state_dict(), model.state_dict())
+
+
+def test_lazy_linear_is_skipped_until_materialised():
+    """A LazyLinear's in_features is known only after its first forward; converting it before used
+    to be planned, then crashed in forward. It is skipped with the fix, and converts once materialised."""
+    model = nn.Sequential(nn.LazyLinear(64), nn.GELU(), nn.Linear(64, 32))
+    with pytest.warns(tq.nn.ConversionWarning) as record:
+        tq.convert(model, RECIPE)
+    message = str(record[0].message)
+    assert "left 1 layer(s) in high precision" in message
+    assert "0 (LazyLinear): LazyLinear has uninitialized (lazy) parameters" in message
+    assert "run one forward first (it then becomes a Linear), then convert" in message
+    assert isinstance(model[2], tq.nn.Linear) and not isinstance(model[0], tq.nn.Linear)
+    x = torch.randn(16, 48)
+    model(x).sum().backward()  # runs (the lazy layer materialises in high precision)
+    assert type(model[0]) is nn.Linear and model[0].in_features == 48
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tq.convert(model, RECIPE)
+    assert type(model[0]) is tq.nn.Linear
+    model(x).sum().backward()

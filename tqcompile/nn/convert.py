@@ -3,21 +3,32 @@
 A module is converted by the registered converter of the first class in its MRO that has one,
 so subclasses of `nn.Linear` match too. A subclass is converted by giving the module a new class
 that inherits from both its own class and `tq.nn.Linear` (attributes, extra methods and hooks are
-kept). A subclass that overrides `forward` keeps Linear semantics only if that forward computes
-through `super().forward(...)`; it cannot be checked, so such a class must say so with a class
-attribute ``tq_linear_semantics = True`` (then its `super().forward` runs quantized), otherwise it
-is skipped and reported.
+kept; the new class pickles by naming the two it is made of). A subclass that overrides `forward`
+keeps Linear semantics only if that forward computes through `super().forward(...)`; it cannot be
+checked, so such a class must say so with a class attribute ``tq_linear_semantics = True`` (then
+its `super().forward` runs quantized), otherwise it is skipped and reported.
+
+A layer is reported converted only if its GEMMs then run quantized. Some modules read a child's
+weight themselves instead of calling the child: `nn.MultiheadAttention` reads `out_proj.weight`,
+and `nn.TransformerEncoderLayer`'s inference fast path reads the weights of `self_attn`, `linear1`
+and `linear2`. Their converters (`tqcompile.nn.attention`) replace those reads, and planning skips
+the children of such a module when the module itself is not converted (filtered out or refused),
+with the reason. Modules whose parameters are not materialised yet (`nn.LazyLinear`) are skipped:
+their shapes, and whether the recipe can serve them, are known only after their first forward.
 """
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import warnings
 from collections.abc import Callable
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from tqcompile.distributed import fsdp as distributed_fsdp
+from tqcompile.nn.attention import QuantizedMultiheadAttention, QuantizedTransformerEncoderLayer, mha_unsupported_reason
 from tqcompile.nn.linear import Linear, _Quantized
 from tqcompile.recipes import Recipe
 
@@ -25,9 +36,22 @@ __all__ = ["convert", "conversion_plan", "register_converter", "ConversionWarnin
 
 Converter = Callable[[nn.Module, Recipe], None]
 ReasonFn = Callable[[nn.Module, Recipe], "str | None"]
-# class -> (converter, why it cannot serve a module; None: it always can)
-_REGISTRY: dict[type, tuple[Converter, ReasonFn | None]] = {}
-_SUBCLASS_CACHE: dict[type, type] = {}
+ReadsFn = Callable[[nn.Module], dict[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    convert: Converter
+    unsupported_reason: ReasonFn | None = None
+    # child name -> where the module's own (unconverted) forward reads that child's weight directly
+    reads_weights_of: ReadsFn | None = None
+    # The converter only stops the module from reading its children's weights (it has no GEMM of its
+    # own): listed in a plan only when one of those children is converted.
+    adapter_only: bool = False
+
+
+_REGISTRY: dict[type, _Entry] = {}
+_SUBCLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
 class ConversionWarning(UserWarning):
@@ -36,40 +60,91 @@ class ConversionWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class PlannedConversion:
+    """What `tq.convert` does to one layer: `action` is "convert", "skip" (with `reason`) or "already converted"."""
+
     name: str
     module_type: str
     action: str  # "convert", "skip" or "already converted"
     reason: str = ""
 
 
-def register_converter(cls: type, *, unsupported_reason: ReasonFn | None = None) -> Callable[[Converter], Converter]:
+def register_converter(
+    cls: type, *, unsupported_reason: ReasonFn | None = None, reads_weights_of: ReadsFn | None = None
+) -> Callable[[Converter], Converter]:
     """Register `fn(module, recipe)` to convert modules of `cls` (and its subclasses) in place.
 
     `unsupported_reason(module, recipe)` returns why a module cannot be converted (it is then
     skipped and reported) or None; `convert` asks it for every module before converting any, so a
     model is never left half converted.
+
+    `reads_weights_of(module)` returns the children whose weights the module's *unconverted*
+    forward reads directly (child name -> where), as `nn.MultiheadAttention` reads
+    `out_proj.weight`: the converter must replace those reads, and when the module is not
+    converted (filtered out or refused) those children are skipped too, with the reason, since a
+    converted child that is never called would not run quantized.
     """
 
     def deco(fn: Converter) -> Converter:
-        _REGISTRY[cls] = (fn, unsupported_reason)
+        _REGISTRY[cls] = _Entry(fn, unsupported_reason, reads_weights_of)
         return fn
 
     return deco
 
 
-def _entry_for(module: nn.Module) -> tuple[Converter, ReasonFn | None] | None:
+def _entry_for(module: nn.Module) -> _Entry | None:
     for cls in type(module).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
     return None
 
 
-def _quantized_class(cls: type) -> type:
-    if cls is nn.Linear:
-        return Linear
-    if cls not in _SUBCLASS_CACHE:
-        _SUBCLASS_CACHE[cls] = type(f"Quantized{cls.__name__}", (cls, Linear), {"__module__": cls.__module__})
-    return _SUBCLASS_CACHE[cls]
+def _is_converted(module: nn.Module) -> bool:
+    return isinstance(module, _Quantized) or getattr(type(module), "_tq_converted", False)
+
+
+def _new_converted(cls: type, quantized_cls: type, *args):
+    """Unpickling: an empty instance of the class that `_quantized_class(cls, quantized_cls)` makes."""
+    new_cls = _quantized_class(cls, quantized_cls)
+    return new_cls.__new__(new_cls, *args)
+
+
+def _reduce_ex_converted(self, protocol: int):
+    # The generated class cannot be found by name, so pickle names the two classes it is made of.
+    # object.__reduce_ex__ (protocol >= 2) gives (copyreg.__newobj__, (cls, *args), state, ...).
+    rv = object.__reduce_ex__(self, max(protocol, 2))
+    cls = type(self)
+    # Only for the generated class itself: a user's subclass of it is importable and pickles by name.
+    if "_tq_float_class" in cls.__dict__ and isinstance(rv, tuple) and rv[0] is copyreg.__newobj__ and rv[1][0] is cls:
+        return (_new_converted, (cls._tq_float_class, cls._tq_quantized_class, *rv[1][1:]), *rv[2:])
+    return rv  # the user's class defines its own reduction
+
+
+def _quantized_class(cls: type, quantized_cls: type) -> type:
+    """`quantized_cls` for its own float class, else a class inheriting from both `cls` and `quantized_cls`."""
+    if issubclass(quantized_cls, cls):
+        return quantized_cls
+    key = (cls, quantized_cls)
+    if key not in _SUBCLASS_CACHE:
+        namespace = {
+            "__module__": cls.__module__,
+            "__reduce_ex__": _reduce_ex_converted,
+            "_tq_float_class": cls,
+            "_tq_quantized_class": quantized_cls,
+        }
+        _SUBCLASS_CACHE[key] = type(f"Quantized{cls.__name__}", (cls, quantized_cls), namespace)
+    return _SUBCLASS_CACHE[key]
+
+
+def _lazy_reason(module: nn.Module) -> str | None:
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    if not any(is_lazy(t) for t in tensors):
+        return None
+    becomes = getattr(module, "cls_to_become", None)
+    then = f" (it then becomes a {becomes.__name__})" if becomes is not None else ""
+    return (
+        f"{type(module).__name__} has uninitialized (lazy) parameters, whose shapes are known only after its first forward; "
+        f"run one forward first{then}, then convert"
+    )
 
 
 def _linear_unsupported_reason(module: nn.Module, recipe: Recipe) -> str | None:
@@ -84,28 +159,89 @@ def _linear_unsupported_reason(module: nn.Module, recipe: Recipe) -> str | None:
 
 @register_converter(nn.Linear, unsupported_reason=_linear_unsupported_reason)
 def _convert_linear(module: nn.Module, recipe: Recipe) -> None:
-    module.__class__ = _quantized_class(type(module))
+    module.__class__ = _quantized_class(type(module), Linear)
     module._init_quantized(recipe)
 
 
-def conversion_plan(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None) -> list[PlannedConversion]:
+def _mha_reason(module: nn.Module, recipe: Recipe) -> str | None:
+    cls = type(module)
+    if cls.forward is not nn.MultiheadAttention.forward:
+        return f"{cls.__name__} overrides forward; tq.convert cannot know which projections it computes how"
+    return mha_unsupported_reason(module, recipe)
+
+
+@register_converter(
+    nn.MultiheadAttention,
+    unsupported_reason=_mha_reason,
+    reads_weights_of=lambda m: {
+        "out_proj": "nn.MultiheadAttention.forward reads out_proj.weight (F.multi_head_attention_forward)"
+    },
+)
+def _convert_mha(module: nn.Module, recipe: Recipe) -> None:
+    module.__class__ = _quantized_class(type(module), QuantizedMultiheadAttention)
+    module._init_quantized(recipe)
+
+
+def _convert_encoder_layer(module: nn.Module, recipe: Recipe) -> None:
+    module.__class__ = _quantized_class(type(module), QuantizedTransformerEncoderLayer)
+    module.recipe = recipe
+
+
+_FAST_PATH = "its inference fast path (eval() under no_grad) passes it to torch._transformer_encoder_layer_fwd"
+_REGISTRY[nn.TransformerEncoderLayer] = _Entry(
+    _convert_encoder_layer,
+    reads_weights_of=lambda m: dict.fromkeys(("self_attn", "linear1", "linear2"), _FAST_PATH),
+    adapter_only=True,
+)
+
+
+def _child_name(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def conversion_plan(
+    model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
+) -> list[PlannedConversion]:
     """What `convert(model, recipe, filter_fn=...)` would do to each convertible layer."""
-    plan = []
-    for name, module in model.named_modules():
-        if isinstance(module, _Quantized):
+    modules = dict(model.named_modules())
+    plan: dict[str, PlannedConversion] = {}
+    for name, module in modules.items():
+        if _is_converted(module):
             if module.recipe != recipe:
                 raise ValueError(
                     f"tq.convert: layer {name!r} is already converted with recipe {module.recipe.name!r}; "
                     f"converting it again with {recipe.name!r} is not supported (convert a fresh model)"
                 )
-            plan.append(PlannedConversion(name, type(module).__name__, "already converted"))
+            plan[name] = PlannedConversion(name, type(module).__name__, "already converted")
             continue
         entry = _entry_for(module)
         if entry is None or (filter_fn is not None and not filter_fn(module, name)):
             continue
-        reason = (entry[1](module, recipe) if entry[1] is not None else None) or ""
-        plan.append(PlannedConversion(name, type(module).__name__, "skip" if reason else "convert", reason))
-    return plan
+        reason = _lazy_reason(module) or (entry.unsupported_reason(module, recipe) if entry.unsupported_reason else None) or ""
+        plan[name] = PlannedConversion(name, type(module).__name__, "skip" if reason else "convert", reason)
+
+    # A child whose weight an unconverted parent reads directly would be converted but never run:
+    # skip it. Repeat, since a skipped child may itself be such a parent (self_attn and its out_proj).
+    readers = [(n, m, e) for n, m in modules.items() if (e := _entry_for(m)) is not None and e.reads_weights_of is not None]
+    changed = True
+    while changed:
+        changed = False
+        for name, module, entry in readers:
+            p = plan.get(name)
+            if p is not None and p.action != "skip":
+                continue
+            why = p.reason if p is not None else "filter_fn excluded it"
+            for child, where in entry.reads_weights_of(module).items():
+                fqn = _child_name(name, child)
+                if fqn in plan and plan[fqn].action == "convert":
+                    reason = f"{name or '<root>'} ({type(module).__name__}) is not converted ({why}) and reads its weight directly: {where}"
+                    plan[fqn] = dataclasses.replace(plan[fqn], action="skip", reason=reason)
+                    changed = True
+    for name, module, entry in readers:
+        read = [_child_name(name, c) for c in entry.reads_weights_of(module)]
+        if entry.adapter_only and name in plan and not any(plan.get(c) and plan[c].action != "skip" for c in read):
+            del plan[name]  # nothing under it runs quantized: there is nothing to adapt
+    return [plan[name] for name in modules if name in plan]
 
 
 def convert(
@@ -119,8 +255,9 @@ def convert(
     `filter_fn(module, fqn)`, and return `model`.
 
     Layers whose shapes `recipe` cannot serve (or that override forward without declaring
-    Linear semantics) are left alone and reported in one `ConversionWarning`. Converting again
-    with the same recipe changes nothing; with another recipe it raises.
+    Linear semantics) are left alone and reported in one `ConversionWarning`, as are layers whose
+    parent reads their weight directly and is not converted itself (see the module docstring).
+    Converting again with the same recipe changes nothing; with another recipe it raises.
 
     `fsdp_quantized_all_gather`: make the converted weights `tq.distributed.QuantizedWeight`s, which
     FSDP2's `fully_shard` all-gathers quantized (docs/distributed.md). None (default): when a
@@ -135,7 +272,13 @@ def convert(
     modules = dict(model.named_modules())
     for p in plan:
         if p.action == "convert":
-            _entry_for(modules[p.name])[0](modules[p.name], recipe)
+            _entry_for(modules[p.name]).convert(modules[p.name], recipe)
+    for module in model.modules():
+        # nn.TransformerEncoder packs a padded batch into a nested tensor in inference; converted
+        # layers take the padded batch and its key padding mask instead.
+        if isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False):
+            if any(_is_converted(m) for m in module.layers.modules()):
+                module.use_nested_tensor = False
     if fsdp_quantized_all_gather is None:
         fsdp_quantized_all_gather = distributed_fsdp._is_initialized()
     if fsdp_quantized_all_gather:
