@@ -19,7 +19,9 @@ Checks:
 - HSDP (replicate x shard mesh): the amax group is the shard dimension's;
 - compile: blocks compiled with fullgraph=True, then sharded: no graph break, no recompile;
 - DCP: FSDP2=2 -> one process and one process -> FSDP2=2, bit for bit; a checkpoint of another
-  recipe gives a clear error.
+  recipe gives a clear error;
+- bad input: an amax group this rank is not in; a shard that would cut 128x128 blocks (the
+  layer is gathered in high precision with a warning naming it; checked with the parity).
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ def _check_precompute(rank: int, results: dict) -> None:
 
     for name in ("fp8_tensorwise", "fp8_rowwise", "nvfp4", "fp8_delayed"):
         recipe = tq.recipes.get(name)
-        plain = _train(_shard_gpt(_gpt(recipe)))
+        plain = results[f"parity_{name}"]  # what FSDP2 without precompute_scales gave (= one process)
         model = _shard_gpt(_gpt(recipe))
         fsdp.all_reduce_amax = counting
         try:
@@ -268,6 +270,14 @@ def _check_hsdp(rank: int, results: dict) -> None:
     assert isinstance(weight, tq.QuantizedTensor), type(weight)
     assert weight.amax_group_name == mesh["shard"].get_group().group_name
     model.blocks[0].reshard()
+
+
+def _check_bad_input(rank: int, results: dict) -> None:
+    # An amax group this rank is not in (new_group(ranks=[0]) gives rank 1 NON_GROUP_MEMBER).
+    only_rank0 = dist.new_group(ranks=[0])
+    if rank == 1:
+        with pytest.raises(ValueError, match="not a member of the process group"):
+            tq.nn.Linear(128, 128, recipe=tq.recipes.fp8_tensorwise(), amax_group=only_rank0)
 
 
 def _check_compile(rank: int, results: dict) -> None:
@@ -379,7 +389,17 @@ def _single_process_checkpoint(path: Path) -> tuple[dict, dict]:
     return get_model_state_dict(model), get_optimizer_state_dict(model, opt)
 
 
-CHECKS = ["planted_outlier", "parity", "mixed_precision_and_uneven", "bytes", "precompute", "hsdp", "compile", "checkpoint"]
+CHECKS = [
+    "planted_outlier",
+    "parity",
+    "mixed_precision_and_uneven",
+    "bytes",
+    "precompute",
+    "hsdp",
+    "bad_input",
+    "compile",
+    "checkpoint",
+]
 
 
 def test_fsdp2_quantized_all_gather(tmp_path):
