@@ -20,7 +20,7 @@ Checks:
 - compile: blocks compiled with fullgraph=True, then sharded: no graph break, no recompile;
 - DCP: FSDP2=2 -> one process and one process -> FSDP2=2, bit for bit; a checkpoint of another
   recipe gives a clear error;
-- bad input: an amax group this rank is not in; a shard that would cut 128x128 blocks (the
+- bad input: an amax group this rank is not in; ranks converted with different recipes; a shard that would cut 128x128 blocks (the
   layer is gathered in high precision with a warning naming it; checked with the parity).
 """
 
@@ -278,6 +278,16 @@ def _check_bad_input(rank: int, results: dict) -> None:
     if rank == 1:
         with pytest.raises(ValueError, match="not a member of the process group"):
             tq.nn.Linear(128, 128, recipe=tq.recipes.fp8_tensorwise(), amax_group=only_rank0)
+    # Ranks that converted with different recipes: every rank raises at the first gather (no hang).
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layer = tq.convert(nn.Sequential(nn.Linear(128, 256, bias=False)), tq.recipes.get(("fp8_tensorwise", "mxfp8")[rank]))
+    fully_shard(layer)
+    with pytest.raises(
+        ValueError, match=r"layer '0': the ranks of the shard group quantize this weight differently \(ranks \[1\]"
+    ):
+        layer(torch.randn(32, 128))
 
 
 def _check_compile(rank: int, results: dict) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import zlib
 from typing import Any
 
 import torch
@@ -156,6 +157,23 @@ def _cut_blocks(q: Quantizer, shape: tuple[int, int], world: int, layer: str) ->
         f"precision instead (same numerics, more bytes). To gather it quantized, make out_features a multiple of "
         f"{extent * world} or shard over fewer ranks; convert with fsdp_quantized_all_gather=False to silence this."
     )
+
+
+def _check_ranks_agree(q: Quantizer, group: dist.ProcessGroup, layer: str) -> None:
+    """Once per weight, at its first gather: every rank of the shard group quantizes it the same way.
+    Ranks that disagree would exchange buffers of different layouts (or sizes, which can hang);
+    each rank sees every rank's fingerprint, so all of them raise together."""
+    mine = torch.tensor([zlib.crc32(repr(q).encode())], dtype=torch.int64)
+    every = torch.empty(group.size(), dtype=torch.int64)
+    # all_gather_single: all_gather_into_tensor is deprecated in torch 2.13; older versions may lack the new name.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=group)
+    differ = [r for r, h in enumerate(every.tolist()) if h != every[0].item()]
+    if differ:
+        raise ValueError(
+            f"tq FSDP2 quantized all-gather: layer {layer!r}: the ranks of the shard group quantize this weight "
+            f"differently (ranks {differ} differ from rank 0; this rank uses {q!r}). Convert the model with the "
+            "same recipe on every rank."
+        )
 
 
 class QuantizedAllGatherWarning(UserWarning):
@@ -340,6 +358,8 @@ class QuantizedWeight(torch.Tensor):
                 f"tq FSDP2 quantized all-gather: layer {self.layer!r}: reshard_after_forward changed after the first "
                 "all-gather, which changes what it moves; set it before the first forward"
             )
+        if self._buffer_bytes is None:
+            _check_ranks_agree(self.quantizer, group, self.layer)
         self._buffer_bytes = plan.buffer_bytes
         param_dtype = mp_policy.param_dtype or self.dtype
         if plan.high_precision:
