@@ -319,6 +319,10 @@ class QuantizedWeight(torch.Tensor):
         if found is None:
             raise RuntimeError(f"tq FSDP2 quantized all-gather: layer {self.layer!r}: FSDP2 does not manage this weight")
         group, fsdp_param = found
+        if getattr(fsdp_param, "is_dtensor", False):
+            # Tensor parallel x FSDP2: the weight is also split over the TP group, whose amaxes this
+            # gather does not see; gather in high precision and let the TP layer quantize it.
+            return _Plan(q, shape, world, False, False, 0, high_precision=True)
         if fsdp_param.fsdp_placement.dim != 0:
             raise ValueError(
                 f"tq FSDP2 quantized all-gather: layer {self.layer!r} is sharded on dim {fsdp_param.fsdp_placement.dim}; "
