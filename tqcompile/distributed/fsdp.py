@@ -252,18 +252,21 @@ class QuantizedWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], (self.quantizer, self.layer)
+        # The quantizer only: Dynamo guards on this metadata, and the layer name (for messages)
+        # would make every layer of one recipe a recompile.
+        return ["_tensor"], self.quantizer
 
     @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return QuantizedWeight(inner["_tensor"], *meta)
+    def __tensor_unflatten__(inner, quantizer, outer_size, outer_stride):
+        return QuantizedWeight(inner["_tensor"], quantizer)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, QuantizedWeight))
+        # tree_leaves: collectives (a DTensor scatter) take lists of tensors.
+        first = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, QuantizedWeight))
 
         def unwrap(t):
             return t._tensor
@@ -443,10 +446,13 @@ class QuantizedWeight(torch.Tensor):
         if plan.high_precision:
             full = gathered.view(-1, k)[:rows].clone()
             if out is not None:
+                out = _local(out)  # a DTensor on a 2-D (TP x FSDP) mesh: refill its local tensor
                 with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                     out.copy_(full)
                 return None
             return full, [full]
+        if out is not None:
+            out = _local(out)  # a DTensor on a 2-D (TP x FSDP) mesh: refill its local tensor
         per_rank = gathered.view(_U8).view(world, -1)
         got: dict[str, torch.Tensor] = {}
         offset = 0
