@@ -320,7 +320,11 @@ class QuantizedWeight(torch.Tensor):
         q = self.quantizer
         found = _fsdp_param_group_of(self)
         if found is None:
-            raise RuntimeError(f"tq FSDP2 quantized all-gather: layer {self.layer!r}: FSDP2 does not manage this weight")
+            raise RuntimeError(
+                f"tq FSDP2 quantized all-gather: layer {self.layer!r}: this weight is not the sharded parameter FSDP2 "
+                "manages (FSDP2's CPU offload copies it before the gather, which is not supported); convert with "
+                "fsdp_quantized_all_gather=False to offload"
+            )
         group, fsdp_param = found
         if getattr(fsdp_param, "is_dtensor", False):
             # Tensor parallel x FSDP2: the weight is also split over the TP group, whose amaxes this
