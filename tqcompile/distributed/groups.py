@@ -24,9 +24,7 @@ def group_name_of(group: dist.ProcessGroup | str | None) -> str | None:
             "(new_group returned GroupMember.NON_GROUP_MEMBER); pass a group this rank belongs to, or None"
         )
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"amax_group must be a torch.distributed.ProcessGroup, its group_name (str) or None; got {type(group).__name__}"
-        )
+        raise TypeError(f"amax_group must be a torch.distributed.ProcessGroup, its group_name (str) or None; got {type(group).__name__}")
     return group.group_name
 
 
