@@ -127,7 +127,9 @@ def linear(
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input last dim {x.shape[-1]} does not match weight in_features {weight.shape[-1]}")
     if isinstance(weight, QuantizedTensor) and not (weight.quantizer == recipe.fprop_weight == recipe.dgrad_weight):
-        raise ValueError(f"linear: a quantized weight ({weight!r}) must use recipe {recipe.name!r}'s fprop and dgrad weight quantizer")
+        raise ValueError(
+            f"linear: a quantized weight ({weight!r}) must use recipe {recipe.name!r}'s fprop and dgrad weight quantizer"
+        )
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     reason = recipe.unsupported_reason(weight.shape[-1], weight.shape[0], x.numel() // max(x.shape[-1], 1), backward=backward)
     if reason:
