@@ -482,13 +482,16 @@ class QuantizedWeight(torch.Tensor):
             dsts = {name: getattr(out, name) for name in got}
             # A refill is the same value autograd saved (the weight did not change since forward), so
             # keep the version counters, as FSDP2 does for its own all-gather outputs.
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(dsts.values())):
+            stale = {name: getattr(out, name) for name in _USAGE_PARTS if name not in got and getattr(out, name, None) is not None}
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(dsts.values()) + tuple(stale.values())):
                 for name, t in got.items():
                     dst = dsts[name]
                     if dst.dim() and dst.element_size() == 1:
                         dst.view(_U8).copy_(t.view(_U8))  # float8 / e8m0 payloads and scales: copy their bytes
                     else:
                         dst.copy_(t)
+                for t in stale.values():
+                    _poison(t)
             return None
         # Every usage exists from the first gather on, since FSDP2 frees and refills these same
         # tensors: a usage a pass does not gather stays unfilled there, and that pass does not read it.
@@ -501,9 +504,27 @@ class QuantizedWeight(torch.Tensor):
                     if "scale" in name
                     else q.element_format().storage_dtype
                 )
-                got[name] = torch.zeros(shape, dtype=dtype, device=gathered.device)
+                got[name] = torch.empty(shape, dtype=dtype, device=gathered.device)
+                if name in _USAGE_PARTS:
+                    _poison(got[name])
         result = QuantizedTensor((rows, k), q, param_dtype, group_name, **got)
         return result, list(result._inner().values())
+
+
+# A usage this gather did not bring holds NaN, not stale or uninitialised bytes (FSDP2 frees and
+# refills these tensors): a computation that reads it anyway (a forward recomputed by activation
+# checkpointing after a backward re-gather brought only the columnwise usage) then gives NaN, never a
+# finite wrong result. 0xFF is NaN in E4M3, E5M2 and E8M0; NVFP4's E2M1 payload has no NaN, but its
+# E4M3 block scales do, and fp32 scales are filled with NaN.
+_USAGE_PARTS = ("_data", "_scale_inv", "_data_t", "_scale_inv_t")
+
+
+def _poison(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        if t.element_size() == 1:
+            t.view(_U8).fill_(0xFF)
+        else:
+            t.fill_(float("nan"))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
