@@ -184,6 +184,7 @@ def calibrate(
     """
     groups = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
     planned = plan(model, config)
+    _warn_training(model)
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
     buffers = list(model.buffers())
     try:
@@ -221,9 +222,16 @@ def calibrate(
                 if id(b) in saved_buffers:
                     b.copy_(saved_buffers[id(b)])
         raise
-    root = next(m for _, m in canonical_modules(model))  # inside any DDP / compile wrapper, so it survives (un)wrapping
-    root.tq_calibration = CalibrationRecord(config, algorithm, float(percentile))
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, algorithm, float(percentile)))
     return model
+
+
+def set_record(model: nn.Module, converted: list[nn.Module], record: CalibrationRecord) -> None:
+    """Keep `record` on the model (inside any DDP / compile wrapper, so it survives (un)wrapping) and on
+    every converted module, so that `tq.quant_state` of a submodule (e.g. the inner model of a wrapper
+    tqcompile does not strip) finds it too."""
+    for m in (next(m for _, m in canonical_modules(model)), *converted):
+        m.tq_calibration = record
 
 
 def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
@@ -253,9 +261,30 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
             else:
                 shape = (t.num_experts,) if t.num_experts else ()
             t.set_amax(torch.zeros(shape, device=device))
-    root = next(m for _, m in canonical_modules(model))
-    root.tq_calibration = CalibrationRecord(config, "max", 99.99)
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, "max", 99.99))
     return model
+
+
+def _warn_training(model: nn.Module) -> None:
+    """Calibrating in training mode silently changes the model (BatchNorm running statistics) and
+    calibrates on activations eval mode never produces (batch statistics, dropout): say so."""
+    found = [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in canonical_modules(model)
+        if m.training
+        and (
+            (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats)
+            or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+        )
+    ]
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        warnings.warn(
+            f"tq.calibrate: {shown} in training mode: forward_loop will update BatchNorm running statistics and calibrate "
+            "on training-mode activations (batch statistics, dropout); call model.eval() before tq.calibrate",
+            CalibrationWarning,
+            stacklevel=3,
+        )
 
 
 def _quantizers(planned: list[_Planned]) -> list[TensorQuantizer]:

@@ -130,6 +130,15 @@ class TensorQuantizer(nn.Module):
     def set_amax(self, amax: torch.Tensor | None) -> None:
         self.amax = None if amax is None else amax.detach().to(torch.float32).clone()
 
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` / `.half()` cast every floating buffer; a static amax must stay
+        # float32 with its calibrated value (tq.quantize refuses other dtypes), so only its device follows.
+        before = self.amax
+        super()._apply(fn, recurse)
+        if before is not None and self.amax is not None and self.amax.dtype != before.dtype:
+            self.amax = before.to(device=self.amax.device)
+        return self
+
     def extra_repr(self) -> str:
         amax = "" if self.amax is None else f", amax{tuple(self.amax.shape)}"
         return f"{self.role}: {self.quantizer!r}{amax}" if self.enabled else f"{self.role}: disabled"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning
+from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, set_record
 from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.modules import (
@@ -164,6 +164,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         raise ValueError(
             "tq.restore: the model's architecture differs from the saved state's: "
             f"modules in the state but not in the model: {missing or 'none'}; modules in the model but not in the state: {extra or 'none'}"
+            + _wrapper_hint(set(saved), set(current))
         )
     plans = []
     for name, entry in saved.items():
@@ -184,9 +185,23 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         for s, tq_ in module.quantizers().items():
             a = amaxes[s]
             tq_.set_amax(None if a is None else a.to(module_device(module)))
-    root = next(m for _, m in canonical_modules(model))
-    root.tq_calibration = CalibrationRecord(config, state["algorithm"], float(state["percentile"]))
+    set_record(model, [p[1] for p in plans], CalibrationRecord(config, state["algorithm"], float(state["percentile"])))
     return model
+
+
+def _wrapper_hint(saved: set[str], current: set[str]) -> str:
+    """When one side's names are the other's under a common prefix, the prefix is a wrapper's."""
+    for longer, shorter, side in ((saved, current, "state was saved from"), (current, saved, "model is")):
+        prefixes = {n.split(".", 1)[0] for n in longer}
+        if len(prefixes) == 1 and shorter:
+            p = prefixes.pop()
+            if {n.split(".", 1)[1] for n in longer if "." in n} == shorter:
+                return (
+                    f". Every name differs only by the leading {p + '.'!r}: the {side} a wrapper tqcompile does not strip "
+                    "(it strips only DDP's and DataParallel's 'module.' and torch.compile's '_orig_mod.'); save and restore "
+                    f"the inner model, e.g. tq.quant_state(wrapper.{p})"
+                )
+    return ""
 
 
 def _local(amax: torch.Tensor | None) -> torch.Tensor | None:
