@@ -269,3 +269,49 @@ def test_calibrating_in_training_mode_warns():
         warnings.simplefilter("error", CalibrationWarning)
         tq.calibrate(build("cnn"), tq.configs.int8(), lambda m: [m(t) for t in x], progress=False)
         tq.calibrate(build("lm").train(), tq.configs.int8(), lambda m: m(batches("lm", 1, 1)[0]), progress=False)  # no BN/dropout
+
+
+def test_restore_with_a_rule_naming_a_local_class():
+    """A rule naming a class defined inside a function (or another script's __main__) made tq.restore
+    raise "cannot import '...<locals>'", though restoring needs only each module's saved quantizers."""
+
+    class Proj(nn.Linear):
+        pass
+
+    def build_local() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(Proj(32, 32), nn.ReLU(), nn.Linear(32, 32))
+
+    model, x = build_local(), torch.randn(8, 32)
+    tq.calibrate(
+        model, tq.configs.int8().with_rules(QuantRule(module_types=(Proj,), input=False)), lambda m: m(x), progress=False
+    )
+    buf = io.BytesIO()
+    torch.save(tq.quant_state(model), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    fresh = tq.restore(build_local(), state)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh(x), model(x)) and not fresh[0].input_quantizer.enabled
+    assert tq.quant_state(fresh)["config"] == state["config"]  # kept as saved
+    with pytest.raises(ConfigError, match="ste='sideways'"):
+        tq.restore(build_local(), {**state, "config": {**state["config"], "ste": "sideways"}})
+
+
+def test_nan_weights_raise_naming_the_module():
+    """A NaN weight was silently turned into a finite fake-quantized value (the amax ignores NaN), so
+    the quantized model hid a broken float model; activations already raised."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    with torch.no_grad():
+        model[1].weight[3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"weight of module '1' holds NaN"):
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(torch.randn(4, 32)), progress=False)
+    assert type(model[0]) is nn.Linear  # left as it was
+
+
+def test_unmatched_rule_with_a_wrapper_prefix_explains_canonical_names():
+    model = nn.DataParallel(nn.Sequential(nn.Linear(32, 32)))
+    with pytest.warns(CalibrationWarning, match=r"'module\.0'\) matches no module.*without DDP's/DataParallel's 'module\.'"):
+        tq.calibrate(
+            model, tq.configs.int8().with_rules(QuantRule.disable("module.0")), lambda m: m(torch.randn(4, 32)), progress=False
+        )

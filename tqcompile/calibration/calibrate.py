@@ -67,7 +67,7 @@ class CalibrationWarning(UserWarning):
 class CalibrationRecord:
     """What `tq.quant_state` saves besides the amaxes (kept on the calibrated model)."""
 
-    config: QuantConfig
+    config: QuantConfig | dict  # a dict: restored from a state whose rules name classes this process cannot import
     algorithm: str
     percentile: float
 
@@ -108,6 +108,13 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                     f"quantizers; disable it with a rule such as QuantRule(name={name!r}, {slot}=False)"
                 )
         wq = quantizers["weight"]
+        if wq is not None and not bool(torch.isfinite(module.weight.detach()).all()):
+            bad = "NaN" if bool(torch.isnan(module.weight.detach()).any()) else "Inf"
+            raise ValueError(
+                f"tq.calibrate: the weight of module {name!r} holds {bad} values; quantization would hide them "
+                "(they have no finite scale); fix the weights, or disable the quantizer with "
+                f"QuantRule(name={name!r}, weight=False)"
+            )
         if wq is not None:
             w = weight_view(module, module.weight)
             try:
@@ -121,7 +128,14 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
     if warn_unmatched:
         for i, rule in enumerate(config.rules):
             if rule.must_match and not matched[i]:
-                warnings.warn(f"tq.calibrate: {rule.describe()} matches no module of the model", CalibrationWarning, stacklevel=3)
+                hint = (
+                    "; rules match canonical names, without DDP's/DataParallel's 'module.' or torch.compile's '_orig_mod.'"
+                    if rule.name is not None and rule.name.startswith(("module.", "_orig_mod."))
+                    else ""
+                )
+                warnings.warn(
+                    f"tq.calibrate: {rule.describe()} matches no module of the model{hint}", CalibrationWarning, stacklevel=3
+                )
     if skipped:
         warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(skipped), CalibrationWarning, stacklevel=3)
     return planned

@@ -47,6 +47,11 @@ class ConfigError(ValueError):
     """A config that cannot be used: the message names the field, the value and what is allowed."""
 
 
+class ModuleTypeImportError(ConfigError):
+    """A serialised rule names a module class this process cannot import (e.g. one defined inside a
+    function, or in another script's ``__main__``)."""
+
+
 def _family(cls: type) -> tuple[type, ...]:
     return (nn.modules.batchnorm._BatchNorm,) if cls in _BATCH_NORMS else (cls,)
 
@@ -251,9 +256,9 @@ def _import_class(path: str) -> type:
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"QuantRule.from_dict: cannot import {module!r} for module type {path!r}: {e}") from None
+        raise ModuleTypeImportError(f"QuantRule.from_dict: cannot import {module!r} for module type {path!r}: {e}") from None
     # A nested class (qualname with dots) is not supported: the module part would be ambiguous.
     cls = getattr(obj, qualname, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ConfigError(f"QuantRule.from_dict: {path!r} is not an nn.Module class")
+        raise ModuleTypeImportError(f"QuantRule.from_dict: {path!r} is not an nn.Module class")
     return cls

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, set_record
-from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
+from tqcompile.calibration.config import SLOTS, ModuleTypeImportError, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.modules import (
     FakeQuantModule,
@@ -123,7 +123,7 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
         modules[name] = entry
     return {
         "format": STATE_FORMAT,
-        "config": rec.config.to_dict(),
+        "config": rec.config.to_dict() if isinstance(rec.config, QuantConfig) else rec.config,
         "algorithm": rec.algorithm,
         "percentile": rec.percentile,
         "modules": modules,
@@ -151,7 +151,15 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         >>> model = tq.restore(build_model(), torch.load("quant_state.pt", weights_only=True))
     """
     _check_state(state)
-    config = QuantConfig.from_dict(state["config"])
+    try:
+        config = QuantConfig.from_dict(state["config"])
+        ste = config.ste
+    except ModuleTypeImportError:
+        # Restoring needs only each module's saved quantizers and the STE, not the rules: a rule naming
+        # a class this process cannot import (defined in a function, another script's __main__) must
+        # not block it. The config is kept as saved, so quant_state saves it unchanged.
+        config = QuantConfig.from_dict({**state["config"], "rules": []})  # validates the rest (ste)
+        ste, config = config.ste, state["config"]
     current: dict[str, nn.Module] = {}
     for name, module in canonical_modules(model):
         if isinstance(module, FakeQuantModule) or _slots_of(module) is not None:
@@ -181,7 +189,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
             _check_amax(name, module, s, qs[s], amaxes[s])
         plans.append((name, module, qs, amaxes))
     for name, module, qs, amaxes in plans:  # everything checked: now change the model
-        convert_module(module, name, qs, config.ste)
+        convert_module(module, name, qs, ste)
         for s, tq_ in module.quantizers().items():
             a = amaxes[s]
             tq_.set_amax(None if a is None else a.to(module_device(module)))
