@@ -315,3 +315,17 @@ def test_unmatched_rule_with_a_wrapper_prefix_explains_canonical_names():
         tq.calibrate(
             model, tq.configs.int8().with_rules(QuantRule.disable("module.0")), lambda m: m(torch.randn(4, 32)), progress=False
         )
+
+
+def test_percentile_with_a_loop_that_runs_other_data_each_pass():
+    """A forward_loop drawing fresh random batches (or augmenting) ran other data in the histogram
+    pass; torch.histc silently dropped every value beyond the first pass's max, so the percentile
+    came out lower than the data's. Now they count at the top of the range, with a warning."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64)
+    first, second = torch.randn(512, 64), 10 * torch.randn(512, 64)  # the second pass is much wider
+    passes = iter([first, second])
+    with pytest.warns(CalibrationWarning, match=r"histogram pass of forward_loop ran other data.*reached <root>\.input"):
+        tq.calibrate(layer, tq.configs.int8(), lambda m: m(next(passes)), algorithm="percentile", percentile=99.0, progress=False)
+    # Most of the second pass lies beyond the first pass's max: its 99th percentile is that max (the top bin's edge).
+    assert float(layer.input_quantizer.amax) == pytest.approx(float(first.abs().max()), rel=1e-6)

@@ -356,11 +356,13 @@ def _reduce(tensors: list[torch.Tensor], groups, op=dist.ReduceOp.MAX) -> None:
 
 
 def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups) -> None:
-    weight_amaxes, unfit = [], []
+    weight_amaxes, unfit, beyond = [], [], []
     for p in planned:
         m = p.module
         for slot, t in m.quantizers().items():
             t.calibrating = False
+            if t.beyond_max:
+                beyond.append(f"{p.name or '<root>'}.{slot}")
             if t.unfit is not None:
                 unfit.append(f"  {p.name} ({base_class(m).__name__}): {slot} quantizer disabled, {t.unfit}")
                 t.quantizer = None
@@ -373,6 +375,15 @@ def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups
             t._reset_stats()
     if unfit:
         warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(unfit), CalibrationWarning, stacklevel=3)
+    if beyond:
+        warnings.warn(
+            f"tq.calibrate: the histogram pass of forward_loop ran other data than the first pass (values beyond the first "
+            f"pass's max reached {', '.join(beyond[:5])}{' and more' if len(beyond) > 5 else ''}); they were counted at the top "
+            "of the range. For percentile and mse, forward_loop must run the same data each time it is called "
+            "(no random augmentation, no fresh random batches)",
+            CalibrationWarning,
+            stacklevel=3,
+        )
     # Weights are replicated over data-parallel groups and tensor-level amaxes of sharded weights
     # need the max over the shards: one MAX-reduce covers both (see docs/ptq.md for per-channel).
     _reduce(weight_amaxes, groups)
