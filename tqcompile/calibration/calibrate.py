@@ -67,7 +67,7 @@ class CalibrationWarning(UserWarning):
 class CalibrationRecord:
     """What `tq.quant_state` saves besides the amaxes (kept on the calibrated model)."""
 
-    config: QuantConfig
+    config: QuantConfig | dict  # a dict: restored from a state whose rules name classes this process cannot import
     algorithm: str
     percentile: float
 
@@ -108,6 +108,13 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                     f"quantizers; disable it with a rule such as QuantRule(name={name!r}, {slot}=False)"
                 )
         wq = quantizers["weight"]
+        if wq is not None and not bool(torch.isfinite(module.weight.detach()).all()):
+            bad = "NaN" if bool(torch.isnan(module.weight.detach()).any()) else "Inf"
+            raise ValueError(
+                f"tq.calibrate: the weight of module {name!r} holds {bad} values; quantization would hide them "
+                "(they have no finite scale); fix the weights, or disable the quantizer with "
+                f"QuantRule(name={name!r}, weight=False)"
+            )
         if wq is not None:
             w = weight_view(module, module.weight)
             try:
@@ -121,7 +128,14 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
     if warn_unmatched:
         for i, rule in enumerate(config.rules):
             if rule.must_match and not matched[i]:
-                warnings.warn(f"tq.calibrate: {rule.describe()} matches no module of the model", CalibrationWarning, stacklevel=3)
+                hint = (
+                    "; rules match canonical names, without DDP's/DataParallel's 'module.' or torch.compile's '_orig_mod.'"
+                    if rule.name is not None and rule.name.startswith(("module.", "_orig_mod."))
+                    else ""
+                )
+                warnings.warn(
+                    f"tq.calibrate: {rule.describe()} matches no module of the model{hint}", CalibrationWarning, stacklevel=3
+                )
     if skipped:
         warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(skipped), CalibrationWarning, stacklevel=3)
     return planned
@@ -184,6 +198,7 @@ def calibrate(
     """
     groups = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
     planned = plan(model, config)
+    _warn_training(model)
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
     buffers = list(model.buffers())
     try:
@@ -221,9 +236,16 @@ def calibrate(
                 if id(b) in saved_buffers:
                     b.copy_(saved_buffers[id(b)])
         raise
-    root = next(m for _, m in canonical_modules(model))  # inside any DDP / compile wrapper, so it survives (un)wrapping
-    root.tq_calibration = CalibrationRecord(config, algorithm, float(percentile))
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, algorithm, float(percentile)))
     return model
+
+
+def set_record(model: nn.Module, converted: list[nn.Module], record: CalibrationRecord) -> None:
+    """Keep `record` on the model (inside any DDP / compile wrapper, so it survives (un)wrapping) and on
+    every converted module, so that `tq.quant_state` of a submodule (e.g. the inner model of a wrapper
+    tqcompile does not strip) finds it too."""
+    for m in (next(m for _, m in canonical_modules(model)), *converted):
+        m.tq_calibration = record
 
 
 def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
@@ -253,9 +275,30 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
             else:
                 shape = (t.num_experts,) if t.num_experts else ()
             t.set_amax(torch.zeros(shape, device=device))
-    root = next(m for _, m in canonical_modules(model))
-    root.tq_calibration = CalibrationRecord(config, "max", 99.99)
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, "max", 99.99))
     return model
+
+
+def _warn_training(model: nn.Module) -> None:
+    """Calibrating in training mode silently changes the model (BatchNorm running statistics) and
+    calibrates on activations eval mode never produces (batch statistics, dropout): say so."""
+    found = [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in canonical_modules(model)
+        if m.training
+        and (
+            (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats)
+            or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+        )
+    ]
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        warnings.warn(
+            f"tq.calibrate: {shown} in training mode: forward_loop will update BatchNorm running statistics and calibrate "
+            "on training-mode activations (batch statistics, dropout); call model.eval() before tq.calibrate",
+            CalibrationWarning,
+            stacklevel=3,
+        )
 
 
 def _quantizers(planned: list[_Planned]) -> list[TensorQuantizer]:
@@ -313,11 +356,13 @@ def _reduce(tensors: list[torch.Tensor], groups, op=dist.ReduceOp.MAX) -> None:
 
 
 def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups) -> None:
-    weight_amaxes, unfit = [], []
+    weight_amaxes, unfit, beyond = [], [], []
     for p in planned:
         m = p.module
         for slot, t in m.quantizers().items():
             t.calibrating = False
+            if t.beyond_max:
+                beyond.append(f"{p.name or '<root>'}.{slot}")
             if t.unfit is not None:
                 unfit.append(f"  {p.name} ({base_class(m).__name__}): {slot} quantizer disabled, {t.unfit}")
                 t.quantizer = None
@@ -330,6 +375,15 @@ def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups
             t._reset_stats()
     if unfit:
         warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(unfit), CalibrationWarning, stacklevel=3)
+    if beyond:
+        warnings.warn(
+            f"tq.calibrate: the histogram pass of forward_loop ran other data than the first pass (values beyond the first "
+            f"pass's max reached {', '.join(beyond[:5])}{' and more' if len(beyond) > 5 else ''}); they were counted at the top "
+            "of the range. For percentile and mse, forward_loop must run the same data each time it is called "
+            "(no random augmentation, no fresh random batches)",
+            CalibrationWarning,
+            stacklevel=3,
+        )
     # Weights are replicated over data-parallel groups and tensor-level amaxes of sharded weights
     # need the max over the shards: one MAX-reduce covers both (see docs/ptq.md for per-channel).
     _reduce(weight_amaxes, groups)

@@ -47,6 +47,11 @@ class ConfigError(ValueError):
     """A config that cannot be used: the message names the field, the value and what is allowed."""
 
 
+class ModuleTypeImportError(ConfigError):
+    """A serialised rule names a module class this process cannot import (e.g. one defined inside a
+    function, or in another script's ``__main__``)."""
+
+
 def _family(cls: type) -> tuple[type, ...]:
     return (nn.modules.batchnorm._BatchNorm,) if cls in _BATCH_NORMS else (cls,)
 
@@ -158,13 +163,24 @@ class QuantConfig:
     ste: str = "clipped"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rules, tuple) or not all(isinstance(r, QuantRule) for r in self.rules):
-            raise ConfigError(f"QuantConfig: rules={self.rules!r} is not allowed; allowed: a tuple of QuantRule")
+        if not isinstance(self.rules, tuple):
+            raise ConfigError(
+                f"QuantConfig: rules of type {type(self.rules).__name__} is not allowed; allowed: a tuple of QuantRule"
+            )
+        for i, r in enumerate(self.rules):
+            if not isinstance(r, QuantRule):
+                raise ConfigError(f"QuantConfig: rules[{i}]={r!r} is not allowed; allowed: a QuantRule")
         if self.ste not in STE_MODES:
             raise ConfigError(f"QuantConfig: ste={self.ste!r} is not allowed; allowed: {', '.join(map(repr, STE_MODES))}")
 
     def with_rules(self, *rules: QuantRule) -> QuantConfig:
         """A new config with `rules` appended (so they override this config's rules)."""
+        for r in rules:
+            if not isinstance(r, QuantRule):
+                raise ConfigError(
+                    f"QuantConfig.with_rules: {r!r} is not a QuantRule; pass rules as separate arguments, e.g. "
+                    "with_rules(QuantRule(...), QuantRule(...)) (or with_rules(*rules) for a list)"
+                )
         return dataclasses.replace(self, rules=self.rules + tuple(rules))
 
     def resolve(self, canonical_name: str, module: nn.Module) -> dict[str, Quantizer | None]:
@@ -240,9 +256,9 @@ def _import_class(path: str) -> type:
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"QuantRule.from_dict: cannot import {module!r} for module type {path!r}: {e}") from None
+        raise ModuleTypeImportError(f"QuantRule.from_dict: cannot import {module!r} for module type {path!r}: {e}") from None
     # A nested class (qualname with dots) is not supported: the module part would be ambiguous.
     cls = getattr(obj, qualname, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ConfigError(f"QuantRule.from_dict: {path!r} is not an nn.Module class")
+        raise ModuleTypeImportError(f"QuantRule.from_dict: {path!r} is not an nn.Module class")
     return cls

@@ -126,9 +126,19 @@ class TensorQuantizer(nn.Module):
         self.hist_max: torch.Tensor | None = None
         self.collect = "max"  # "max" or "hist": what a calibrating forward records
         self.unfit: str | None = None  # why the quantizer cannot serve a tensor seen while calibrating
+        self.beyond_max = False  # the histogram pass saw values beyond the max pass's max
 
     def set_amax(self, amax: torch.Tensor | None) -> None:
         self.amax = None if amax is None else amax.detach().to(torch.float32).clone()
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` / `.half()` cast every floating buffer; a static amax must stay
+        # float32 with its calibrated value (tq.quantize refuses other dtypes), so only its device follows.
+        before = self.amax
+        super()._apply(fn, recurse)
+        if before is not None and self.amax is not None and self.amax.dtype != before.dtype:
+            self.amax = before.to(device=self.amax.device)
+        return self
 
     def extra_repr(self) -> str:
         amax = "" if self.amax is None else f", amax{tuple(self.amax.shape)}"
@@ -200,7 +210,13 @@ class TensorQuantizer(nn.Module):
 
     def _record_hist(self, x: torch.Tensor) -> None:
         top = float(self.hist_max)
-        counts = torch.histc(x.detach().float().abs().flatten(), bins=HIST_BINS, min=0.0, max=top if top > 0 else 1.0)
+        a = x.detach().float().abs().flatten()
+        if bool((a > top).any()):
+            # The second pass saw values beyond the first pass's max (forward_loop ran other data):
+            # histc would drop them, biasing the percentile low; count them in the top bin instead.
+            self.beyond_max = True
+            a = a.clamp(max=top)
+        counts = torch.histc(a, bins=HIST_BINS, min=0.0, max=top if top > 0 else 1.0)
         self.hist += counts.double()
 
 

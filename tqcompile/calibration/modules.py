@@ -46,6 +46,12 @@ class FakeQuantModule:
     def quantizers(self) -> dict[str, TensorQuantizer]:
         return {s: getattr(self, f"{s}_quantizer") for s in SLOTS}
 
+    def __reduce_ex__(self, protocol):
+        # The fake-quant class is made at run time, so pickle cannot find it by name (torch.save of
+        # a whole model, multiprocessing): rebuild it from the module's own class instead.
+        rv = super().__reduce_ex__(protocol)
+        return (_new_fake_quant, (base_class(self),), *rv[2:])
+
 
 class _LinearFQ(FakeQuantModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,14 +201,24 @@ def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight.flatten(1) if isinstance(module, nn.modules.conv._ConvNd) else weight
 
 
-def swap_class(module: nn.Module) -> None:
-    """Give `module` the fake-quant class of its kind (its quantizer children must exist)."""
-    kind, mixin, _ = kind_of(module)
-    base = base_class(module)
+def _fake_quant_class(base: type) -> type:
+    """The fake-quant class for modules of class `base` (one per class, made on first use)."""
+    kind, mixin = next((kind, mixin) for cls, kind, mixin, _ in _KINDS if issubclass(base, cls))
     key = (mixin, base)
     if key not in _CLASS_CACHE:
         _CLASS_CACHE[key] = type(f"FakeQuant{base.__name__}", (mixin, base), {"__module__": base.__module__, "tq_kind": kind})
-    module.__class__ = _CLASS_CACHE[key]
+    return _CLASS_CACHE[key]
+
+
+def _new_fake_quant(base: type) -> nn.Module:
+    """Unpickling: an empty instance of `base`'s fake-quant class (its state is set after)."""
+    cls = _fake_quant_class(base)
+    return cls.__new__(cls)
+
+
+def swap_class(module: nn.Module) -> None:
+    """Give `module` the fake-quant class of its kind (its quantizer children must exist)."""
+    module.__class__ = _fake_quant_class(base_class(module))
 
 
 def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> None:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning
-from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
+from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, set_record
+from tqcompile.calibration.config import SLOTS, ModuleTypeImportError, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.modules import (
     FakeQuantModule,
@@ -123,7 +123,7 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
         modules[name] = entry
     return {
         "format": STATE_FORMAT,
-        "config": rec.config.to_dict(),
+        "config": rec.config.to_dict() if isinstance(rec.config, QuantConfig) else rec.config,
         "algorithm": rec.algorithm,
         "percentile": rec.percentile,
         "modules": modules,
@@ -151,7 +151,15 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         >>> model = tq.restore(build_model(), torch.load("quant_state.pt", weights_only=True))
     """
     _check_state(state)
-    config = QuantConfig.from_dict(state["config"])
+    try:
+        config = QuantConfig.from_dict(state["config"])
+        ste = config.ste
+    except ModuleTypeImportError:
+        # Restoring needs only each module's saved quantizers and the STE, not the rules: a rule naming
+        # a class this process cannot import (defined in a function, another script's __main__) must
+        # not block it. The config is kept as saved, so quant_state saves it unchanged.
+        config = QuantConfig.from_dict({**state["config"], "rules": []})  # validates the rest (ste)
+        ste, config = config.ste, state["config"]
     current: dict[str, nn.Module] = {}
     for name, module in canonical_modules(model):
         if isinstance(module, FakeQuantModule) or _slots_of(module) is not None:
@@ -164,6 +172,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         raise ValueError(
             "tq.restore: the model's architecture differs from the saved state's: "
             f"modules in the state but not in the model: {missing or 'none'}; modules in the model but not in the state: {extra or 'none'}"
+            + _wrapper_hint(set(saved), set(current))
         )
     plans = []
     for name, entry in saved.items():
@@ -180,13 +189,27 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
             _check_amax(name, module, s, qs[s], amaxes[s])
         plans.append((name, module, qs, amaxes))
     for name, module, qs, amaxes in plans:  # everything checked: now change the model
-        convert_module(module, name, qs, config.ste)
+        convert_module(module, name, qs, ste)
         for s, tq_ in module.quantizers().items():
             a = amaxes[s]
             tq_.set_amax(None if a is None else a.to(module_device(module)))
-    root = next(m for _, m in canonical_modules(model))
-    root.tq_calibration = CalibrationRecord(config, state["algorithm"], float(state["percentile"]))
+    set_record(model, [p[1] for p in plans], CalibrationRecord(config, state["algorithm"], float(state["percentile"])))
     return model
+
+
+def _wrapper_hint(saved: set[str], current: set[str]) -> str:
+    """When one side's names are the other's under a common prefix, the prefix is a wrapper's."""
+    for longer, shorter, side in ((saved, current, "state was saved from"), (current, saved, "model is")):
+        prefixes = {n.split(".", 1)[0] for n in longer}
+        if len(prefixes) == 1 and shorter:
+            p = prefixes.pop()
+            if {n.split(".", 1)[1] for n in longer if "." in n} == shorter:
+                return (
+                    f". Every name differs only by the leading {p + '.'!r}: the {side} a wrapper tqcompile does not strip "
+                    "(it strips only DDP's and DataParallel's 'module.' and torch.compile's '_orig_mod.'); save and restore "
+                    f"the inner model, e.g. tq.quant_state(wrapper.{p})"
+                )
+    return ""
 
 
 def _local(amax: torch.Tensor | None) -> torch.Tensor | None:
