@@ -121,9 +121,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        # -1, not d // n_head: under tensor parallelism qkv holds this rank's heads only (n_head local).
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, -1).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
