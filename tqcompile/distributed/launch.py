@@ -11,6 +11,7 @@ otherwise). Both destroy the process group when the function returns or raises.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -84,9 +85,28 @@ def spawn(
         while not ctx.join(timeout=1.0):  # raises as soon as a rank fails, after terminating the rest
             if time.monotonic() > deadline:
                 raise TimeoutError(f"spawn: {world_size} processes still running after {timeout_s:.0f} s; terminated them")
+    except mp.ProcessRaisedException as e:
+        # The rank torch reports may be a peer that only saw the failure ("Connection reset by
+        # peer"); give every rank's traceback, so the one that failed first is in the message.
+        traces = _tracebacks(ctx.error_files)
+        if len(traces) > 1:
+            raise mp.ProcessRaisedException("".join(traces), e.error_index, e.error_pid) from None
+        raise
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
         for p in ctx.processes:
             p.join(5)
+
+
+def _tracebacks(error_files: list[str]) -> list[str]:
+    """The tracebacks that failed ranks wrote (torch.multiprocessing pickles them into these files)."""
+    traces = []
+    for rank, path in enumerate(error_files):
+        try:
+            with open(path, "rb") as fh:
+                traces.append(f"\n\n-- rank {rank} raised:\n{pickle.load(fh)}")
+        except (OSError, EOFError, pickle.UnpicklingError):  # this rank wrote nothing: it did not raise
+            pass
+    return traces
