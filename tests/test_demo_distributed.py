@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from tqcompile.cli import main
 from tqcompile.distributed.launch import spawn
@@ -39,6 +41,14 @@ def _counter_checks(rank: int, world_size: int) -> None:
     assert wire.calls["all_gather"] == 2 and wire.calls["all_reduce"] == 1, wire
     assert wire.bytes["all_reduce"] == N * 4, wire
     assert wire.dtypes["all_gather"] == {torch.float32, torch.bfloat16}, wire
+
+    # A collective a DTensor op issues inside its own dispatch (sort has no sharded strategy:
+    # DTensor all-gathers the shards first) is counted too.
+    mesh = init_device_mesh("cpu", (world_size,))
+    d = distribute_tensor(torch.arange(world_size * N, dtype=torch.float32).flip(0), mesh, [Shard(0)])
+    with count_collective_bytes() as wire:
+        d.sort(dim=0)
+    assert wire.bytes["all_gather"] == world_size * N * 4 and wire.calls["all_gather"] == 1, wire
 
     # Collectives that torch.compile put in a graph are counted when the graph runs (aot_eager),
     # and the mode does not stop Dynamo compiling (it is off while Dynamo traces).

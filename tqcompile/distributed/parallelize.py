@@ -8,10 +8,10 @@ The order is the one FSDP2 and torch.compile need (torchtitan's):
 3. `fully_shard` of each block, then of the root, over the "dp" dimension, gathering in bf16
    (`MixedPrecisionPolicy(param_dtype=bfloat16)`): FSDP's hooks run between the compiled blocks.
 
-Which TP styles: tqcompile's (`tq.distributed.ColwiseParallel`, ...) when this install has them,
-which serve converted layers; otherwise torch's own, which serve only high-precision layers (torch's
-DTensor has no sharding strategy for the `tqcompile` ops), so TP of a converted model is refused
-with a clear error. Which FSDP gather: stock `fully_shard`; converted layers gather quantized
+Which TP styles: for a converted model tqcompile's (`tq.distributed.ColwiseParallel`, ...) when
+this install has them; torch's own serve only high-precision layers (torch's DTensor has no
+sharding strategy for the `tqcompile` ops), so without tqcompile's TP of a converted model is
+refused with a clear error. A high-precision model (the bf16 baseline) always uses torch's. Which FSDP gather: stock `fully_shard`; converted layers gather quantized
 wherever `tq.distributed` provides the weight wrapper (no call is needed here for that).
 """
 
@@ -82,7 +82,8 @@ def _apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
     if cfg.n_head % tp or cfg.seq_len % tp:
         raise ValueError(f"parallelize: TP degree {tp} must divide n_head={cfg.n_head} and seq_len={cfg.seq_len}")
     quantized = [name for name, m in model.named_modules() if isinstance(m, _Quantized)]
-    s = _styles()
+    # torch's styles for a high-precision model (tqcompile's fused q/k/v split serves converted layers only)
+    s = _styles() if quantized else torch_tp
     if quantized and s is torch_tp:
         raise NotImplementedError(
             f"tensor parallelism of a converted model needs tqcompile's TP styles (tq.distributed.ColwiseParallel, ...), "

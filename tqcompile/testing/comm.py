@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 __all__ = ["CollectiveBytes", "count_collective_bytes"]
 
@@ -124,6 +124,10 @@ class _CountingMode(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # Let a wrapper subclass (DTensor, QuantizedTensor) run first: the collectives it
+            # issues (DTensor's redistributions) then come back here as ops on plain tensors.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         packet = getattr(func, "_overloadpacket", None)
         if packet in _C10D:
