@@ -103,6 +103,8 @@ def _table_rows(out: str) -> tuple[str, dict[str, list[str]]]:
 
 
 def test_demo_fsdp2_prints_the_bytes_gathered(capfd: pytest.CaptureFixture[str]) -> None:
+    import tqcompile.distributed as tqd
+
     status = main(["demo", "--fsdp", "2", "--recipes", "fp8_tensorwise", "--steps", "2", "--plot", "none"])
     out, err = capfd.readouterr()
     assert status == 0, out + err
@@ -116,6 +118,11 @@ def test_demo_fsdp2_prints_the_bytes_gathered(capfd: pytest.CaptureFixture[str])
         assert float(cell["gathered MB/step"]) > 0, cell
         assert cell["graph breaks"] == "0" and cell["recompiles"] == "0", cell
     assert dict(zip(cols, rows["bf16"]))["vs bf16 bytes"] == "1.00x"
+    fp8_mb, bf16_mb = (float(dict(zip(cols, rows[n]))["gathered MB/step"]) for n in ("fp8_tensorwise", "bf16"))
+    if hasattr(tqd, "QuantizedWeight"):  # FSDP2 gathers converted weights quantized: the column shows it
+        assert fp8_mb < 0.6 * bf16_mb, out
+    else:  # stock fully_shard gathers every weight in bf16
+        assert fp8_mb == bf16_mb, out
     assert "FSDP2 2 = 2 processes, gloo" in out
     # Rank 0 alone reports progress: one line per step and run.
     assert err.count("[                bf16] step    0/2") == 1, err
