@@ -2,31 +2,46 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import tqcompile as tq
 from tqcompile.cli import build_parser, main
-from tqcompile.demo import RunResult, plot_losses
+from tqcompile.demo import DemoConfig, RunResult, ema, final_window, format_table, plot_losses
+from tqcompile.models.gpt import GPT, GPTConfig, quantize_model
 
-COLUMNS = ("recipe", "final loss", "vs bf16", "step ms", "1st step s", "graph breaks", "recompiles")
+ROOT = Path(__file__).resolve().parents[1]
+
+COLUMNS = ("recipe", "final loss", "vs bf16", "step ms", "cpu ms", "1st step s", "graph breaks", "recompiles")
 
 
 def test_demo_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    status = main(["demo", "--recipes", "fp8_tensorwise", "--steps", "3", "--plot", "none"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        status = main(["demo", "--recipes", "fp8_tensorwise", "--steps", "3", "--plot", "none"])
     out, err = capsys.readouterr()
+    # The compiled optimizer step tells the LR scheduler it stepped (tq.optim.compile_optimizer_step).
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], [str(w.message) for w in caught]
+    # The footer names the window that was averaged: 3 steps ran, so 3, not "the last 5".
+    assert "final loss: mean of the last 3 steps;" in out, out
     assert status == 0, out + err
     lines = out.splitlines()
     header = next(ln for ln in lines if ln.startswith("recipe"))
     for col in COLUMNS:
         assert col in header, header
-    rows = {ln.split()[0]: ln.split() for ln in lines[lines.index(header) + 2 :] if ln.strip() and not ln.startswith("final loss")}
+    rows = {
+        ln.split()[0]: ln.split() for ln in lines[lines.index(header) + 2 :] if ln.strip() and not ln.startswith("final loss")
+    }
     assert set(rows) == {"bf16", "fp8_tensorwise"}, out
     for name, cells in rows.items():
-        # final loss, gap, step ms, 1st step s, graph breaks, recompiles
-        assert float(cells[1]) > 0, cells
+        # final loss, gap, step ms, cpu ms, 1st step s, graph breaks, recompiles
+        assert float(cells[1]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0, cells
         assert cells[-2:] == ["0", "0"], f"{name}: graph breaks / recompiles {cells[-2:]}"
     assert rows["bf16"][2] == "-" and rows["fp8_tensorwise"][2].startswith(("+", "-")), rows
     assert f"torch {torch.__version__}" in out and "device: cpu" in out
@@ -74,6 +89,59 @@ def test_recipes_all_and_defaults() -> None:
     assert args.recipes == ["fp8_tensorwise", "mxfp8", "nvfp4"] and args.device == "cpu" and args.backend is None
 
 
+def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tqcompile {tq.__version__}"
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "tqcompile.cli", *argv], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_help_and_version_print_no_warnings() -> None:
+    # Without numpy, `import torch` printed "Failed to initialize NumPy" on every command (numpy is
+    # a dependency now); stderr must be clean, `--help` included.
+    for argv in (["--help"], ["demo", "--help"], ["--version"]):
+        proc = _cli(*argv)
+        assert proc.returncode == 0, proc.stderr
+        assert "NumPy" not in proc.stderr and "Warning" not in proc.stderr, f"{argv}: {proc.stderr}"
+    assert proc.stdout.strip() == f"tqcompile {tq.__version__}"
+
+
+def test_final_window_never_exceeds_the_steps_that_ran() -> None:
+    assert [final_window(n) for n in (2, 3, 5, 49, 50, 150, 1000)] == [2, 3, 5, 5, 5, 15, 100]
+    assert RunResult("bf16", losses=[4.0, 2.0, 3.0]).final_loss() == 3.0
+
+
+def test_a_refused_recipe_is_one_line_not_a_row_of_dashes() -> None:
+    # What the demo does with --moe --recipes fp8_delayed: the recipe cannot serve the experts.
+    with pytest.raises(ValueError) as exc:
+        quantize_model(GPT(GPTConfig(n_layer=2, n_experts=4)), tq.recipes.get("fp8_delayed"))
+    reason = str(exc.value)
+    assert "cannot serve 4 layers (blocks.0.mlp.w_in, blocks.0.mlp.w_out, blocks.1.mlp.w_in, blocks.1.mlp.w_out): " in reason
+    assert reason.count("delayed scaling") == 1, reason  # the reason is said once, not once per layer
+    cfg = DemoConfig(steps=3, n_experts=4)
+    base = RunResult("bf16", losses=[3.0, 2.5, 2.0], step_times_s=[5.0, 0.1, 0.1])
+    table = format_table([base, RunResult("fp8_delayed", error=reason)], cfg)
+    lines = table.splitlines()
+    mentions = [ln for ln in lines if "fp8_delayed" in ln]
+    assert mentions == [f"fp8_delayed: not run: {reason}"], table
+    separator = next(i for i, ln in enumerate(lines) if ln.startswith("recipe")) + 1
+    rows = [ln for ln in lines[separator + 1 :] if ln.strip() and not ln.startswith(("final loss", "fp8_delayed"))]
+    assert [r.split()[0] for r in rows] == ["bf16"], table
+
+
+def test_ema_is_bias_corrected() -> None:
+    assert ema([2.0, 2.0, 2.0], span=9) == pytest.approx([2.0, 2.0, 2.0])
+    alpha = 2 / (3 + 1)
+    assert ema([0.0, 1.0], span=3) == pytest.approx([0.0, alpha / (1 - (1 - alpha) ** 2)])
+    with pytest.raises(ValueError, match="allowed: >= 1"):
+        ema([1.0], span=0)
+
+
 def test_plot_is_skipped_with_a_note_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     path = tmp_path / "loss.png"
@@ -81,8 +149,29 @@ def test_plot_is_skipped_with_a_note_without_matplotlib(monkeypatch: pytest.Monk
     assert "matplotlib is not installed" in note and not path.exists()
 
 
-def test_plot_writes_a_png(tmp_path) -> None:
-    pytest.importorskip("matplotlib")
+def test_plot_writes_a_png_with_the_gap_and_the_step_times(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import matplotlib.figure  # a dependency: the README's install command gives it
+
+    saved: list[matplotlib.figure.Figure] = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k))[1])
     path = tmp_path / "loss.png"
-    note = plot_losses([RunResult("bf16", losses=[3.0, 2.0]), RunResult("mxfp8", losses=[3.1, 2.1])], str(path))
+    results = [
+        RunResult(
+            "bf16", losses=[3.0, 2.0, 1.5, 1.2], step_times_s=[5.0, 0.04, 0.04, 0.05], step_cpu_times_s=[4.0, 0.03, 0.03, 0.03]
+        ),
+        RunResult(
+            "mxfp8", losses=[3.1, 2.1, 1.6, 1.3], step_times_s=[6.0, 0.11, 0.12, 0.11], step_cpu_times_s=[5.0, 0.1, 0.1, 0.1]
+        ),
+        RunResult("fp8_delayed", error="recipe 'fp8_delayed' cannot serve ..."),
+    ]
+    note = plot_losses(results, str(path), DemoConfig(steps=4))
     assert str(path) in note and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = saved
+    ax_loss, ax_gap, ax_time = fig.axes
+    (gap_curve,) = [ln for ln in ax_gap.get_lines() if ln.get_label().startswith("mxfp8")]
+    assert gap_curve.get_ydata() == pytest.approx([0.1] * 4)  # mxfp8 - bf16 at each step, smoothed
+    assert [t.get_text() for t in ax_time.get_xticklabels()] == ["bf16", "mxfp8"]
+    # Median ms after the first step: wall time, then CPU time (the work, whatever else the machine runs).
+    assert [round(p.get_height()) for p in ax_time.patches] == [40, 110, 30, 100]
+    assert "3.3x" in [t.get_text().split("\n")[-1] for t in ax_time.texts]  # mxfp8 / bf16, by CPU time

@@ -42,7 +42,10 @@ def _emulated(a, qa, b, qb, out_dtype):
 
 GEMM_OPERANDS = {
     "fp8_tensorwise": (tq.Float8Quantizer(), tq.Float8Quantizer()),
-    "fp8_rowwise": (tq.Float8Quantizer(granularity=G.ROWWISE), tq.Float8Quantizer(granularity=G.ROWWISE, power_of_two_scale=True)),
+    "fp8_rowwise": (
+        tq.Float8Quantizer(granularity=G.ROWWISE),
+        tq.Float8Quantizer(granularity=G.ROWWISE, power_of_two_scale=True),
+    ),
     "fp8_e5m2_x_e4m3": (tq.Float8Quantizer(format=F.E5M2), tq.Float8Quantizer()),
     "mxfp8": (tq.MXQuantizer(), tq.MXQuantizer(scale_rounding=tq.ScaleRounding.RCEIL)),
     "mxfp4": (tq.MXQuantizer(format=F.E2M1), tq.MXQuantizer(format=F.E2M1)),
@@ -140,8 +143,13 @@ def _spy_scaled_mm(mp, calls):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    m=st.integers(1, 48), n=st.integers(1, 48), k=st.integers(1, 96),
-    qa=_SCALED_MM_QUANTIZERS, qb=_SCALED_MM_QUANTIZERS, out_dtype=_OUT_DTYPES, seed=st.integers(0, 2**16),
+    m=st.integers(1, 48),
+    n=st.integers(1, 48),
+    k=st.integers(1, 96),
+    qa=_SCALED_MM_QUANTIZERS,
+    qb=_SCALED_MM_QUANTIZERS,
+    out_dtype=_OUT_DTYPES,
+    seed=st.integers(0, 2**16),
 )
 def test_scaled_mm_path_equals_emulation_when_arithmetic_is_exact(m, n, k, qa, qb, out_dtype, seed):
     """FP8 tensorwise/rowwise on CPU go through `torch._scaled_mm`. Where fp32 arithmetic is exact,
@@ -174,8 +182,13 @@ def _dot_error_bound(a64: torch.Tensor, b64: torch.Tensor, out_dtype: torch.dtyp
 
 @settings(max_examples=40, deadline=None)
 @given(
-    m=st.integers(1, 48), n=st.integers(1, 48), k=st.integers(1, 96),
-    qa=_SCALED_MM_QUANTIZERS, qb=_SCALED_MM_QUANTIZERS, out_dtype=_OUT_DTYPES, seed=st.integers(0, 2**16),
+    m=st.integers(1, 48),
+    n=st.integers(1, 48),
+    k=st.integers(1, 96),
+    qa=_SCALED_MM_QUANTIZERS,
+    qb=_SCALED_MM_QUANTIZERS,
+    out_dtype=_OUT_DTYPES,
+    seed=st.integers(0, 2**16),
 )
 def test_scaled_mm_path_within_fp32_accumulation_of_exact(m, n, k, qa, qb, out_dtype, seed):
     """With general operands, `torch._scaled_mm` and the emulation are NOT always bitwise equal on
@@ -188,7 +201,9 @@ def test_scaled_mm_path_within_fp32_accumulation_of_exact(m, n, k, qa, qb, out_d
     bound = _dot_error_bound(a64, b64, out_dtype, roundings=k + 2)
     for name, out in (("scaled_mm", gemm_tn(*a, qa, *b, qb, out_dtype)), ("emulation", _emulated(a, qa, b, qb, out_dtype))):
         err = (out.double() - exact).abs()
-        assert (err <= bound).all(), f"{name}: error {err.max().item():.3g} above the bound at {(err > bound).nonzero()[0].tolist()}"
+        assert (err <= bound).all(), (
+            f"{name}: error {err.max().item():.3g} above the bound at {(err > bound).nonzero()[0].tolist()}"
+        )
     # The bound is far below the signal: a scale off by any factor, even 2, would break it.
     assert (exact.abs() > bound).any()
 
@@ -213,7 +228,12 @@ def _recipe_operands(recipe: tq.Recipe, x2, w, dy2, sr_seed: int):
     (the layer's order); `sr_seed` re-seeds it as the test did before backward."""
     fprop = (tq.quantize(x2, recipe.fprop_input), False, tq.quantize(w, recipe.fprop_weight), False)
     torch.manual_seed(sr_seed)
-    dgrad = (tq.quantize(dy2, recipe.dgrad_grad), False, tq.quantize(w, recipe.dgrad_weight, rowwise=False, columnwise=True), True)
+    dgrad = (
+        tq.quantize(dy2, recipe.dgrad_grad),
+        False,
+        tq.quantize(w, recipe.dgrad_weight, rowwise=False, columnwise=True),
+        True,
+    )
     wgrad = None
     if recipe.wgrad_grad is not None:
         qdy_t = tq.quantize(dy2, recipe.wgrad_grad, rowwise=False, columnwise=True)
@@ -271,3 +291,30 @@ def test_linear_with_no_tokens(name):
     y.backward(torch.randn(0, 128))
     assert y.shape == (0, 128) and x.grad.shape == (0, 128)
     assert_bitwise_equal(w.grad, torch.zeros(128, 128))
+
+
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE])
+def test_gemm_of_fp32_max_operand_is_finite(granularity):
+    """Regression (item 5): an operand holding fp32's max quantizes (power-of-two scale 2**120)
+    to the e4m3 grid point 256, and 256 * 2**120 overflows fp32. CPU `_scaled_mm` forms that
+    product and returned Inf for a finite float product; gemm_tn takes the saturating emulation
+    there, and still takes `_scaled_mm` for ordinary operands."""
+    q = tq.Float8Quantizer(granularity=granularity, power_of_two_scale=True)
+    x = torch.zeros(16, 16)
+    x[0, 0] = torch.finfo(torch.float32).max
+    x[1:] = torch.randn(15, 16)
+    w = torch.zeros(16, 16)
+    w[0, 0] = 0.5
+    a, b = tq.quantize(x, q).usage(False), tq.quantize(w, q).usage(False)
+    assert (_emulated(a, q, b, q, torch.float32)[0, 0] > 1e38).item()  # fp32max / 2, finite
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        _spy_scaled_mm(mp, calls)
+        out = gemm_tn(*a, q, *b, q, torch.float32)
+        assert not calls
+        assert torch.isfinite(out).all()
+        assert_bitwise_equal(out, _emulated(a, q, b, q, torch.float32))
+        x[0, 0] = 1.0
+        a = tq.quantize(x, q).usage(False)
+        gemm_tn(*a, q, *b, q, torch.float32)
+        assert calls  # ordinary operands keep the _scaled_mm path

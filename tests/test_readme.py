@@ -4,6 +4,8 @@ main-job command names an installed entry point."""
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,3 +30,25 @@ def test_readme_main_job_is_the_demo_entry_point():
     from tqcompile import cli
 
     assert callable(cli.main)
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_main_job_installs_what_it_needs():
+    # `pip install -e .` alone must give the demo its picture (matplotlib) and torch its NumPy
+    # (without it every command prints "Failed to initialize NumPy"): core dependencies, not extras.
+    names = {re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0].strip().lower() for dep in _pyproject()["project"]["dependencies"]}
+    missing = {"torch", "numpy", "matplotlib"} - names
+    assert not missing, f"pyproject [project] dependencies lack {sorted(missing)}"
+
+
+def test_the_version_has_one_source():
+    project = _pyproject()
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "tqcompile.__version__"}
+    import tqcompile
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+", tqcompile.__version__)

@@ -340,6 +340,34 @@ def test_all_special_blocks(kernels):
     _check(kernels, x, NVFP4Quantizer(stochastic_rounding=True), torch.tensor(3.0), torch.tensor([5, 7]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_units_at_the_dtype_max(kernels, dtype):
+    """Units whose amax is the dtype's largest finite value (or within a grid step of it): the
+    kernels round the largest element up to the grid point the reference picks (256 * 2**120 for
+    power-of-two FP8 and MX RCEIL from fp32's max), bit for bit, and the shared saturating
+    dequantization turns every such payload into a finite value (docs/numerics: "Dequantization
+    saturates"; the rule lives in dequantize, so the quantize kernels need no change for it)."""
+    big = torch.finfo(dtype).max
+    row = torch.linspace(-1.0, 1.0, 32, dtype=torch.float64)
+    x = torch.stack([row * big, row.flip(0) * big * 0.999, torch.full((32,), big, dtype=torch.float64)]).to(dtype)
+    for q in (
+        Float8Quantizer(power_of_two_scale=True),
+        Float8Quantizer(Format.E5M2, Granularity.ROWWISE, power_of_two_scale=True),
+        Float8Quantizer(granularity=Granularity.BLOCKWISE_1D, block_size=16),
+        MXQuantizer(Format.E4M3, ScaleRounding.RCEIL),
+        MXQuantizer(Format.E5M2, ScaleRounding.RCEIL),
+        MXQuantizer(Format.E2M1, ScaleRounding.RCEIL),
+        MXQuantizer(Format.E4M3, ScaleRounding.FLOOR),
+        NVFP4Quantizer(),
+    ):
+        amax = reference.tensor_amax(x, q) if q.uses_tensor_amax() else None
+        _check(kernels, x, q, amax)
+        data, scale_inv = kernels.quantize.quantize(x, q, amax, None)
+        for out_dtype in (dtype, torch.float32):
+            out = reference.dequantize(data, scale_inv, amax, q, out_dtype)
+            assert torch.isfinite(out).all(), (q, out_dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # What the kernels cover, and how the op picks them
 # ---------------------------------------------------------------------------------------------

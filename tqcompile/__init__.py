@@ -2,8 +2,9 @@
 
 import torch as _torch
 
-from tqcompile import nn, optim, recipes  # noqa: E402  (these import the names above)
+from tqcompile import calibration, configs, nn, optim, recipes  # noqa: E402  (these import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
+from tqcompile.calibration import calibrate, quant_state, restore, summary
 from tqcompile.formats import Format
 from tqcompile.nn.convert import convert
 from tqcompile.quantizers import (
@@ -37,6 +38,12 @@ __all__ = [
     "nn",
     "optim",
     "convert",
+    "calibration",
+    "configs",
+    "calibrate",
+    "summary",
+    "quant_state",
+    "restore",
 ]
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tqcompile import ops
 from tqcompile.distributed.groups import all_reduce_amax, group_name_of
-from tqcompile.quantizers import NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.tensor import QuantizedTensor
 
 __all__ = ["quantize", "SUPPORTED_DTYPES"]
@@ -20,6 +20,22 @@ def _transformed(q: Quantizer) -> bool:
     return isinstance(q, NVFP4Quantizer) and q.hadamard
 
 
+def _check_amax_history(amax_history, quantizer: Quantizer) -> None:
+    if not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
+        raise ValueError(
+            f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}"
+        )
+    if not isinstance(amax_history, torch.Tensor):
+        raise TypeError(f"tq.quantize: amax_history must be a 1-D torch.float32 tensor, got {type(amax_history).__name__}")
+    # An integer history would truncate the amaxes written into it, a bf16/fp16 one round them and give
+    # low-precision scales: scales are computed in fp32 from fp32 amaxes.
+    if amax_history.dtype != torch.float32 or amax_history.dim() != 1 or amax_history.numel() == 0:
+        raise ValueError(
+            f"tq.quantize: amax_history has dtype {amax_history.dtype} and shape {tuple(amax_history.shape)}; allowed: "
+            "a non-empty 1-D torch.float32 tensor (e.g. torch.zeros(16))"
+        )
+
+
 def quantize(
     x: torch.Tensor,
     quantizer: Quantizer,
@@ -29,6 +45,7 @@ def quantize(
     columnwise: bool = False,
     seed: torch.Tensor | None = None,
     amax_history: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize `x` with `quantizer`.
 
@@ -45,6 +62,11 @@ def quantize(
         amax_history: delayed scaling: a 1-D fp32 buffer of past (group-reduced) amaxes. The scale
             comes from its max (the current amax on the first step, while it is all zeros), and the
             current amax is rolled into it in place. Only for quantizers with a tensor-level amax.
+        amax: a static (calibrated) amax, used as given instead of one computed from `x`: a 0-dim
+            fp32 tensor for quantizers with a tensor-level amax, or one amax per scaling unit
+            (shape ``quantizer.scale_shape(x.shape)``) for ROWWISE / BLOCKWISE `Float8Quantizer`
+            and `IntQuantizer`. Values beyond it saturate. MX scales come from each block and take
+            none. It is not reduced over `amax_group` (reduce it before; `tq.calibrate` does).
 
     Example:
         >>> qx = tq.quantize(torch.randn(32, 64), tq.Float8Quantizer())
@@ -59,23 +81,31 @@ def quantize(
         raise TypeError(f"tq.quantize: quantizer must be an instance; got the class {quantizer.__name__}, pass {quantizer.__name__}()")
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"tq.quantize: quantizer must be a tq.Quantizer (Float8Quantizer, ...), got {type(quantizer).__name__}")
+    if not (rowwise or columnwise):
+        raise ValueError("tq.quantize: ask for at least one usage (rowwise=True and/or columnwise=True)")
+    # Errors about x itself: raised now in eager mode; under torch.compile, when the compiled code
+    # runs, with a placeholder x traced in between (see tqcompile.ops.errors for why).
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
+        message = (
             f"tq.quantize: x.dtype={x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16 "
             f"(cast first, e.g. x.float())"
         )
-    if not (rowwise or columnwise):
-        raise ValueError("tq.quantize: ask for at least one usage (rowwise=True and/or columnwise=True)")
-    quantizer.check_shape(x.shape)
+        x = ops.raise_error(TypeError, message, x, x.shape, torch.float32)
+    if quantizer.shape_error(x.shape) is not None:
+        shape = ops.static_shape(x.shape)  # a constant message under dynamic shapes too
+        x = ops.raise_error(ValueError, quantizer.shape_error(shape), x, quantizer.padded_shape(shape))
     x_t = None
     if columnwise:
         if x.dim() < 1:
             raise ValueError("tq.quantize: columnwise usage needs a tensor with at least 1 dim")
         x_t = x.reshape(x.shape[:-1].numel(), x.shape[-1]).t()  # not reshape(-1, K): ambiguous when K == 0
-        try:
-            quantizer.check_shape(x_t.shape)
-        except ValueError as e:
-            raise ValueError(f"tq.quantize: columnwise usage quantizes the transpose, of shape {tuple(x_t.shape)}: {e}") from None
+        if quantizer.shape_error(x_t.shape) is not None:
+            shape_t = ops.static_shape(x_t.shape)
+            problem = quantizer.shape_error(shape_t)
+            message = f"tq.quantize: columnwise usage quantizes the transpose, of shape {shape_t}: {problem}"
+            padded_t = quantizer.padded_shape(shape_t)
+            x = ops.raise_error(ValueError, message, x, None if padded_t is None else padded_t[::-1])
+            x_t = x.t()
     if seed is None and quantizer.needs_seed():
         seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
     elif seed is not None and not isinstance(seed, torch.Tensor):
@@ -83,9 +113,12 @@ def quantize(
     elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
         raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
 
-    if amax_history is not None and not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
-        raise ValueError(f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}")
+    if amax_history is not None:
+        _check_amax_history(amax_history, quantizer)
     group_name = group_name_of(amax_group)
+    if amax is not None:
+        _check_static_amax(x, quantizer, amax, columnwise, amax_history)
+        return _quantize_static(x, quantizer, amax, rowwise, columnwise, x_t, seed, group_name)
     amax = amax_t = None
     if quantizer.uses_tensor_amax():
         amax = ops.amax(x, quantizer)
@@ -110,3 +143,47 @@ def quantize(
         inner["_amax_t"] = amax_t
     inner = {k: v for k, v in inner.items() if v is not None}
     return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
+
+
+def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, columnwise: bool, amax_history) -> None:
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32:
+        raise TypeError(f"tq.quantize: amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
+    if amax_history is not None:
+        raise ValueError("tq.quantize: pass either a static amax or an amax_history (delayed scaling), not both")
+    if isinstance(q, MXQuantizer):
+        raise ValueError(
+            f"tq.quantize: {q!r} computes each 32-element block's scale from the block itself; it takes no static amax"
+        )
+    if q.uses_tensor_amax():
+        if amax.shape != ():
+            raise ValueError(
+                f"tq.quantize: {q!r} has a tensor-level amax; the static amax must be 0-dim, got shape {tuple(amax.shape)}"
+            )
+        if columnwise and _transformed(q):
+            raise ValueError(
+                f"tq.quantize: {q!r} transforms the last dim, so its columnwise usage needs its own amax; quantize without a static amax"
+            )
+        return
+    want = q.scale_shape(x.shape)
+    if tuple(amax.shape) != tuple(want):
+        raise ValueError(
+            f"tq.quantize: the static amax of {q!r} for x of shape {tuple(x.shape)} must have shape {tuple(want)} (one per scaling unit), got {tuple(amax.shape)}"
+        )
+    if columnwise:
+        raise ValueError(
+            f"tq.quantize: a per-unit static amax serves the rowwise usage only ({q!r}); quantize the transpose separately"
+        )
+
+
+def _quantize_static(x, q: Quantizer, amax, rowwise: bool, columnwise: bool, x_t, seed, group_name) -> QuantizedTensor:
+    # Same op, same kernel as a dynamic quantize: only the amax comes from the caller.
+    tensor_amax = amax if q.uses_tensor_amax() else None
+    inner = {}
+    if rowwise:
+        inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amax, seed)
+        inner["_amax"] = tensor_amax
+    if columnwise:
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize(x_t, q, amax, seed)
+        inner["_amax_t"] = tensor_amax
+    inner = {k: v for k, v in inner.items() if v is not None}
+    return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)

@@ -1,5 +1,6 @@
 """The `tqcompile` command.
 
+    tqcompile --version
     tqcompile demo [--recipes fp8_tensorwise,mxfp8,nvfp4 | all] [--steps N] [--device cpu|cuda|auto]
                    [--moe] [--backend aot_eager|inductor] [--plot PATH | --plot none] [--threads T] [--seed S]
 
@@ -44,10 +45,12 @@ def _positive_int(value: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `tqcompile` command."""
+    import tqcompile
     from tqcompile.demo import DEFAULT_RECIPES, DemoConfig
 
     defaults = DemoConfig()
     parser = argparse.ArgumentParser(prog="tqcompile", description="tqcompile: quantization for torch.compile(fullgraph=True).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {tqcompile.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -61,16 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_RECIPES),
         help=f"comma-separated recipe names, or 'all' (default: {','.join(DEFAULT_RECIPES)})",
     )
-    demo.add_argument("--steps", type=_positive_int, default=defaults.steps, help=f"training steps per run (default: {defaults.steps})")
+    demo.add_argument(
+        "--steps", type=_positive_int, default=defaults.steps, help=f"training steps per run (default: {defaults.steps})"
+    )
     demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="auto: cuda if available (default: cpu)")
     demo.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree: shard over N processes (default: 1); see docs/demo.md")
     demo.add_argument("--tp", type=int, default=1, help="tensor (+ sequence) parallel degree M; N x M processes (default: 1)")
     demo.add_argument("--moe", action="store_true", help="use an expert-choice MoE MLP (4 experts) instead of the dense MLP")
     demo.add_argument(
-        "--backend", choices=("aot_eager", "inductor"), default=None, help="torch.compile backend (default: aot_eager on cpu, inductor on cuda)"
+        "--backend",
+        choices=("aot_eager", "inductor"),
+        default=None,
+        help="torch.compile backend (default: aot_eager on cpu, inductor on cuda)",
     )
     demo.add_argument(
-        "--plot", default="tqcompile_demo_loss.png", help="loss-curve PNG to write (needs matplotlib); 'none' to skip (default: %(default)s)"
+        "--plot",
+        default="tqcompile_demo_loss.png",
+        help="PNG to write: loss, loss gap to bf16 and step time per recipe; 'none' to skip (default: %(default)s)",
     )
     demo.add_argument(
         "--threads",
@@ -79,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads (default on cpu: 1; the demo's tensors are small, and on a busy machine OpenMP's "
         "waiting threads can make 2-thread steps many times slower than 1-thread ones)",
     )
-    demo.add_argument("--seed", type=int, default=defaults.seed, help=f"seed for the initial weights and the data order (default: {defaults.seed})")
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help=f"seed for the initial weights and the data order (default: {defaults.seed})",
+    )
     return parser
 
 
@@ -135,13 +150,22 @@ def _run(args: argparse.Namespace, device: str) -> int:
 
     backend = args.backend or ("inductor" if device == "cuda" else "aot_eager")
     cfg = DemoConfig(
-        steps=args.steps, n_experts=4 if args.moe else 0, seed=args.seed, device=device, backend=backend, log_every=max(1, args.steps // 6)
+        steps=args.steps,
+        n_experts=4 if args.moe else 0,
+        seed=args.seed,
+        device=device,
+        backend=backend,
+        log_every=max(1, args.steps // 6),
     )
-    print(f"tqcompile demo: bf16 + {', '.join(args.recipes)} on {device}, {cfg.steps} steps each, backend {backend}", file=sys.stderr, flush=True)
+    print(
+        f"tqcompile demo: bf16 + {', '.join(args.recipes)} on {device}, {cfg.steps} steps each, backend {backend}",
+        file=sys.stderr,
+        flush=True,
+    )
     results = run_demo(args.recipes, cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(results, cfg))
     if args.plot.lower() != "none":
-        print(plot_losses(results, args.plot))
+        print(plot_losses(results, args.plot, cfg))
     return 1 if any(r.error is not None and r.graph_breaks for r in results) else 0
 
 

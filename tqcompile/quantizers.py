@@ -110,29 +110,58 @@ class Quantizer(OpaqueBase):
     # --- shapes ------------------------------------------------------------------------
     def check_shape(self, shape: tuple[int, ...] | torch.Size) -> None:
         """Raise a ValueError, naming the padding needed, if `shape` cannot be quantized."""
+        problem = self.shape_error(shape)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def shape_error(self, shape: tuple[int, ...] | torch.Size) -> str | None:
+        """Why `shape` cannot be quantized (naming the padding needed), or None if it can.
+
+        `check_shape` raises this message; code traced by torch.compile asks for it instead, since
+        Dynamo cannot hand a raised exception to the user (see docs/training.md)."""
         gran, axis, block = self.layout()
         shape = tuple(shape)
         name = type(self).__name__
         if gran is Granularity.ROWWISE:
             if len(shape) == 0:
-                raise ValueError(f"{name} ROWWISE needs a tensor with at least 1 dim, got a 0-dim tensor")
+                return f"{name} ROWWISE needs a tensor with at least 1 dim, got a 0-dim tensor"
             if not -len(shape) <= axis < len(shape):
-                raise ValueError(f"{name}: axis={axis} is out of range for a {len(shape)}-dim tensor of shape {shape}")
+                return f"{name}: axis={axis} is out of range for a {len(shape)}-dim tensor of shape {shape}"
         if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D):
             need = 1 if gran is Granularity.BLOCKWISE_1D else 2
             if len(shape) < need:
-                raise ValueError(f"{name} {gran.name} (block {block}) needs at least {need} dims, got shape {shape}")
+                return f"{name} {gran.name} (block {block}) needs at least {need} dims, got shape {shape}"
             for d in range(len(shape) - need, len(shape)):
                 if shape[d] % block:
                     padded = math.ceil(shape[d] / block) * block
-                    raise ValueError(
+                    return (
                         f"{name}: dim {d} of shape {shape} is {shape[d]}, not a multiple of the block size {block}; "
                         f"pad it with {padded - shape[d]} zeros to {padded} (e.g. torch.nn.functional.pad)"
                     )
         if self.element_format().bits == 4 and (len(shape) == 0 or shape[-1] % 2):
-            raise ValueError(f"{name}: 4-bit payloads pack two elements a byte; the last dim must be even, got shape {shape}")
+            return f"{name}: 4-bit payloads pack two elements a byte; the last dim must be even, got shape {shape}"
         if getattr(self, "hadamard", False) and shape[-1] % 16:
-            raise ValueError(f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}")
+            return f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}"
+        return None
+
+    def padded_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...] | None:
+        """The smallest shape at least `shape` (zero padding at the end of dims) that passes
+        `check_shape`, or None where no padding helps (too few dims, an axis out of range)."""
+        gran, _, block = self.layout()
+        shape = tuple(shape)
+        if not shape or (gran is Granularity.BLOCKWISE_2D and len(shape) < 2):
+            return None
+        last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
+        if self.element_format().bits == 4:
+            last = math.lcm(last, 2)
+        if getattr(self, "hadamard", False):
+            last = math.lcm(last, 16)
+        units = [1] * len(shape)
+        units[-1] = last
+        if gran is Granularity.BLOCKWISE_2D:
+            units[-2] = block
+        padded = tuple(-(-d // u) * u for d, u in zip(shape, units))
+        return padded if self.shape_error(padded) is None else None
 
     def scale_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
         """Shape of the scale tensor for a tensor of `shape` (`check_shape` must pass)."""
@@ -160,7 +189,12 @@ class Quantizer(OpaqueBase):
     def _check_epsilon(self, max_value: float) -> None:
         eps = self.amax_epsilon
         if not (isinstance(eps, float) and math.isfinite(eps) and eps > 0 and max_value / eps < _FP32_MAX):
-            raise _bad(type(self).__name__, "amax_epsilon", eps, f"a positive float with {max_value}/amax_epsilon finite in fp32 (>= 1e-30)")
+            raise _bad(
+                type(self).__name__,
+                "amax_epsilon",
+                eps,
+                f"a positive float with {max_value}/amax_epsilon finite in fp32 (>= 1e-30)",
+            )
 
     def _check_enum(self, field: str, allowed: tuple) -> None:
         v = getattr(self, field)
@@ -171,6 +205,27 @@ class Quantizer(OpaqueBase):
         v = getattr(self, field)
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise _bad(type(self).__name__, field, v, f"an int >= {low}")
+
+    def _canonicalize(self, *fields: str) -> None:
+        """Reset `fields`, which cannot change this quantizer's result, to their defaults.
+
+        Equality is the compile cache key (Dynamo guards on `__eq__`), so two quantizers that
+        quantize identically must compare and hash equal: a block size on a tensorwise quantizer
+        would otherwise force a recompile. `object.__setattr__` because the dataclass is frozen;
+        this runs only here, in `__post_init__`, before anyone can see the object, so it is still
+        immutable from the outside (and `dataclasses.replace` runs it again).
+        """
+        for f in dataclasses.fields(self):
+            if f.name in fields and getattr(self, f.name) != f.default:
+                object.__setattr__(self, f.name, f.default)
+
+    def _canonicalize_layout(self) -> None:
+        """`axis` matters only for ROWWISE, `block_size` only for the block granularities."""
+        gran = self.granularity
+        unused = () if gran is Granularity.ROWWISE else ("axis",)
+        if gran not in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D):
+            unused += ("block_size",)
+        self._canonicalize(*unused)
 
     def _check_bool(self, *fields: str) -> None:
         for f in fields:
@@ -185,6 +240,8 @@ class Float8Quantizer(Quantizer):
     Granularity TENSORWISE (default), ROWWISE (one scale per slice along `axis`), BLOCKWISE_1D
     (1 x `block_size`, DeepSeek-V3 activations) or BLOCKWISE_2D (`block_size` x `block_size`,
     DeepSeek-V3 weights). `power_of_two_scale` rounds each scale down to a power of two.
+    Fields the granularity does not use are reset to their defaults (`axis` unless ROWWISE,
+    `block_size` unless blockwise), so quantizers that give the same result compare equal.
 
     Example:
         >>> Float8Quantizer(granularity=Granularity.BLOCKWISE_1D, power_of_two_scale=True)
@@ -205,6 +262,7 @@ class Float8Quantizer(Quantizer):
             raise _bad("Float8Quantizer", "axis", self.axis, "an int")
         self._check_bool("power_of_two_scale")
         self._check_epsilon(self.format.max_value)
+        self._canonicalize_layout()
 
     def element_format(self) -> Format:
         return self.format
@@ -249,6 +307,7 @@ class NVFP4Quantizer(Quantizer):
     lower neighbour (seeded: pass `seed=` to `tq.quantize`). `hadamard` multiplies each
     16-element block of the last dim by a 16x16 Hadamard matrix / 4 with a sign vector drawn
     from `hadamard_seed`; both operands of a GEMM must use it, so it cancels in the product.
+    Without `hadamard`, `hadamard_seed` is reset to 0 (it cannot change the result).
     """
 
     block_2d: bool = False
@@ -263,6 +322,8 @@ class NVFP4Quantizer(Quantizer):
         self._check_bool("block_2d", "stochastic_rounding", "hadamard")
         self._check_int("hadamard_seed", 0)
         self._check_epsilon(Format.E4M3.max_value * Format.E2M1.max_value)
+        if not self.hadamard:
+            self._canonicalize("hadamard_seed")
 
     def element_format(self) -> Format:
         return Format.E2M1
@@ -287,6 +348,7 @@ class IntQuantizer(Quantizer):
     Granularity TENSORWISE (default), ROWWISE (per channel: one scale per slice along `axis`;
     for an (out, in) weight the default axis=-1 gives one scale per output channel) or
     BLOCKWISE_1D (`block_size` elements of the last dim). INT4 is stored two to a byte.
+    Fields the granularity does not use are reset to their defaults, as in `Float8Quantizer`.
     """
 
     format: Format = Format.INT8
@@ -302,6 +364,7 @@ class IntQuantizer(Quantizer):
         if not isinstance(self.axis, int) or isinstance(self.axis, bool):
             raise _bad("IntQuantizer", "axis", self.axis, "an int")
         self._check_epsilon(self.format.max_value)
+        self._canonicalize_layout()
 
     def element_format(self) -> Format:
         return self.format

@@ -116,12 +116,13 @@ class Recipe(OpaqueBase):
             q = getattr(self, field)
             if q is None or (not backward and not field.startswith("fprop")):
                 continue
-            try:
-                q.check_shape(shape)
-            except ValueError as e:
-                if num_tokens is not None and m in shape:
-                    return f"{field} operand of shape {shape} ({m} tokens = batch x sequence): {e}"
-                return f"{field} operand of shape {shape}: {e}"
+            # shape_error, not check_shape in a try: traced code gets a plain string (tqcompile.ops.errors).
+            e = q.shape_error(shape)
+            if e is None:
+                continue
+            if num_tokens is not None and m in shape:
+                return f"{field} operand of shape {shape} ({m} tokens = batch x sequence): {e}"
+            return f"{field} operand of shape {shape}: {e}"
         return None
 
     def __repr__(self) -> str:

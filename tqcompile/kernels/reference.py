@@ -7,6 +7,12 @@ Conventions, used everywhere:
   always finite; ±Inf saturates to ±max; NaN stays NaN in FP8 payloads and becomes 0 in formats
   with no NaN encoding (E2M1, INT8, INT4). Exception: an NVFP4 block whose finite amax gives a
   zero E4M3 block scale has nothing to scale by, so all its elements (±Inf included) encode 0.
+- Dequantization saturates: a product ``q * scale_inv`` beyond the output dtype's largest finite
+  value returns that value (NaN stays NaN), so no finite input ever dequantizes to ±Inf. Only the
+  top of a range needs it: the largest element can round *up* to a grid point whose product with
+  scale_inv exceeds the dtype (power-of-two FP8 scales and MX RCEIL at 2**128 for an fp32 amax near
+  its max, or 65536 for fp16's 65504; INT8's 127 * scale_inv, an ulp above fp32's max). Every
+  product that was finite is unchanged bit for bit (stated in each docs/numerics page).
 - Round to nearest, ties to even, unless a quantizer asks for stochastic rounding.
 """
 
@@ -27,10 +33,11 @@ from tqcompile.quantizers import (
     ScaleRounding,
 )
 
-__all__ = ["tensor_amax", "quantize", "dequantize", "e2m1_encode", "e2m1_decode", "hadamard_matrix", "uniform_hash"]
+__all__ = ["tensor_amax", "unit_amax", "quantize", "dequantize", "e2m1_encode", "e2m1_decode", "hadamard_matrix", "uniform_hash"]
 
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6
 _MASK32 = 0xFFFFFFFF
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,7 +55,7 @@ def _unit_amax(a: torch.Tensor, layout: tuple[Granularity, int, int]) -> torch.T
         return a.amax() if a.numel() else a.new_zeros(())
     if gran is Granularity.ROWWISE:
         if a.shape[axis] == 0:
-            return a.new_zeros(a.shape[:axis % a.dim()] + (1,) + a.shape[axis % a.dim() + 1 :])
+            return a.new_zeros(a.shape[: axis % a.dim()] + (1,) + a.shape[axis % a.dim() + 1 :])
         return a.amax(dim=axis, keepdim=True)
     if gran is Granularity.BLOCKWISE_1D:
         blocks = a.unflatten(-1, (a.shape[-1] // block, block))
@@ -134,7 +141,7 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     for i, t in enumerate(_E2M1_THRESHOLDS):
         # A tie goes to the even code: up from an odd code i, down from an even one.
         up = (mag >= t) if i % 2 == 1 else (mag > t)
-        code += up.to(torch.uint8)
+        code = code + up.to(torch.uint8)  # out of place: inductor traces this function (ops/inductor.py)
     return code | _e2m1_sign(v)
 
 
@@ -195,6 +202,13 @@ def tensor_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
     return _unit_amax(_finite_abs(_prepare(x, q)), (Granularity.TENSORWISE, -1, 1))
 
 
+def unit_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    """The amax of each scaling unit of `x` (fp32, shape ``q.scale_shape(x.shape)``) over finite
+    values, after any transform: exactly the amax a dynamic `quantize(x, q, None, ...)` scales with
+    for Float8 / Int quantizers, so passing it back as a static amax reproduces that call."""
+    return _unit_amax(_finite_abs(_prepare(x, q)), q.layout())
+
+
 def _scale_from_amax(amax: torch.Tensor, fmt_max: float, eps: float, power_of_two: bool) -> torch.Tensor:
     # torch.div, not `fmt_max / tensor`: Python's reflected division runs as reciprocal-then-multiply,
     # which rounds twice and is one ulp off the fp32 quotient (TE's __fdiv_rn) for about 1 amax in 4.
@@ -225,7 +239,9 @@ def _mx_exponent(amax: torch.Tensor, q: MXQuantizer) -> torch.Tensor:
     return e.clamp(-127, 127)
 
 
-def quantize(x: torch.Tensor, q: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, q: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `x` (any float dtype and strides) with `q`. Returns (payload, scale_inv) where
     scale_inv has `q.scale_shape(x.shape)` and dtype `q.scale_dtype()`. `amax` is the tensor-level
     amax for quantizers that use one (`q.uses_tensor_amax()`), already group-reduced."""
@@ -269,8 +285,22 @@ def _quantize(xf, q, amax, seed):
     raise TypeError(f"no reference kernel for quantizer type {type(q).__name__}")
 
 
-def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None, q: Quantizer, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize`: payload and scales back to `dtype`."""
+def _saturate(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `out` cast to `dtype`, values beyond its finite range clamped to ±its max (NaN kept).
+
+    Clamping before the cast, not after: fp32 -> bf16/fp16 rounds a value just above the target's
+    max up to Inf. Values within range are untouched, so this changes only results that were ±Inf.
+    """
+    # The product is computed in fp32, so a wider dtype (float64) saturates at fp32's max too.
+    big = min(torch.finfo(dtype).max, _FP32_MAX)
+    return out.clamp(-big, big).to(dtype)
+
+
+def dequantize(
+    data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None, q: Quantizer, dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of `quantize`: payload and scales back to `dtype`, saturating at its largest
+    finite value (see the module docstring: a finite payload never dequantizes to ±Inf)."""
     shape = torch.Size(q.logical_shape(data.shape))
     if isinstance(q, Float8Quantizer):
         out = data.float() * _expand(scale_inv, shape, q.layout())
@@ -291,4 +321,4 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor |
             out = _hadamard(out, q.hadamard_seed, inverse=True)
     else:
         raise TypeError(f"no reference kernel for quantizer type {type(q).__name__}")
-    return out.to(dtype)
+    return _saturate(out, dtype)

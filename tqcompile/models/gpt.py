@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tqcompile as tq
-from tqcompile.nn.linear import grouped_unsupported_reason
+from tqcompile.nn.grouped import grouped_unsupported_reason
 
 __all__ = ["GPTConfig", "GPT", "Experts", "MoE", "quantize_model", "keep_high_precision"]
 
@@ -191,5 +191,14 @@ def quantize_model(model: GPT, recipe: tq.Recipe) -> GPT:
     quantize: a demo run is only meaningful with all of them in the recipe's formats."""
     skipped = [p for p in tq.nn.conversion_plan(model, recipe, filter_fn=keep_high_precision) if p.action == "skip"]
     if skipped:
-        raise ValueError(f"recipe {recipe.name!r} cannot serve: " + "; ".join(f"{p.name}: {p.reason}" for p in skipped))
+        by_reason: dict[str, list[str]] = {}  # one reason usually covers many layers: say it once
+        for p in skipped:
+            by_reason.setdefault(p.reason, []).append(p.name)
+        raise ValueError(
+            f"recipe {recipe.name!r} cannot serve "
+            + "; ".join(
+                f"{len(names)} layer{'s' if len(names) > 1 else ''} ({', '.join(names)}): {reason}"
+                for reason, names in by_reason.items()
+            )
+        )
     return tq.convert(model, recipe, filter_fn=keep_high_precision)

@@ -2,6 +2,18 @@
 
 from tqcompile.nn.convert import ConversionWarning, PlannedConversion, conversion_plan, convert, register_converter
 from tqcompile.nn.functional import linear, qgemm
-from tqcompile.nn.linear import GroupedLinear, Linear
+from tqcompile.nn.grouped import GroupedLinear, grouped_linear
+from tqcompile.nn.linear import Linear
 
-__all__ = ["Linear", "GroupedLinear", "linear", "qgemm", "convert", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]
+__all__ = [
+    "Linear",
+    "GroupedLinear",
+    "linear",
+    "grouped_linear",
+    "qgemm",
+    "convert",
+    "conversion_plan",
+    "register_converter",
+    "ConversionWarning",
+    "PlannedConversion",
+]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tqcompile.nn.functional import linear
+from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
 __all__ = ["QuantizedMultiheadAttention", "QuantizedTransformerEncoderLayer", "mha_unsupported_reason"]
@@ -174,7 +175,7 @@ def _mha_forward(mha, query, key, value, key_padding_mask, need_weights, attn_ma
     return out, weights
 
 
-class QuantizedMultiheadAttention(nn.MultiheadAttention):
+class QuantizedMultiheadAttention(_AmaxHistoryOwner, nn.MultiheadAttention):
     """`nn.MultiheadAttention` whose in-projection GEMMs run quantized as `recipe` says, and whose
     out-projection calls `out_proj` (quantized too when `tq.convert` converted it).
 
@@ -195,40 +196,27 @@ class QuantizedMultiheadAttention(nn.MultiheadAttention):
         device = (self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight).device
         for slot in _projection_shapes(self):
             for kind in _KINDS:
-                # Non-persistent: the state_dict keeps exactly nn.MultiheadAttention's keys.
-                n = recipe.amax_history_len
-                self.register_buffer(
-                    f"amax_history_{slot}_{kind}", torch.zeros(n, device=device) if n else None, persistent=False
-                )
+                # fp32, zeroed when materialised from meta, persistent (see tqcompile.nn.histories).
+                self._register_amax_history(f"amax_history_{slot}_{kind}", recipe.amax_history_len, device)
 
     def _histories(self, slot: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return tuple(getattr(self, f"amax_history_{slot}_{kind}") for kind in _KINDS) if self.recipe.amax_history_len else None
 
     def _reset_parameters(self) -> None:
         super()._reset_parameters()
-        # Delayed-scaling histories are state this library owns: start them over with the weights
-        # (e.g. after `to_empty` from the meta device). Absent while nn.MultiheadAttention.__init__ runs.
-        for name, buf in self.named_buffers(recurse=False):
-            if name.startswith("amax_history_") and buf is not None:
-                with torch.no_grad():
-                    buf.zero_()
-
-    def _apply(self, fn, recurse=True):
-        # Amax histories stay fp32 whatever `.to(dtype)` / `.half()` does to the parameters: a bf16
-        # history would round the amaxes it keeps. Devices follow the module.
-        kept = {n: b for n, b in self._buffers.items() if n.startswith("amax_history_") and b is not None}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = self._buffers[name]
-            if old.is_meta and not new.is_meta:
-                # `to_empty` from the meta device: there were no values to keep, start the history over.
-                self._buffers[name] = torch.zeros(new.shape, dtype=torch.float32, device=new.device)
-            elif new.dtype != torch.float32:
-                self._buffers[name] = old.to(device=new.device)
-        return self
+        # Start the delayed-scaling histories over with the weights (absent while nn.MultiheadAttention.__init__ runs).
+        self.reset_amax_histories()
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: str) -> torch.Tensor:
-        return linear(x, weight, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=self._histories(slot))
+        return linear(
+            x,
+            weight,
+            bias,
+            self.recipe,
+            amax_group=self.amax_group_name,
+            amax_histories=self._histories(slot),
+            update_amax_histories=self.training,  # histories roll in training mode only
+        )
 
     def forward(
         self,

@@ -8,6 +8,12 @@ What forward hands to backward is one typed object, `_LinearCtx`, plus the tenso
   (quantized once in forward), else the high-precision weight (a parameter: no extra memory);
 - for wgrad: the input's columnwise usage, quantized in forward (1 byte or less per element
   instead of 2-4), or the high-precision input when the recipe runs wgrad in high precision.
+
+Delayed scaling rolls all three amax histories in backward, not the input's and weight's in
+forward: forward only reads them, so a recomputed forward (activation checkpointing, eager or
+compiled) sees the histories the original forward saw and quantizes bit for bit the same. The
+forward's amaxes reach backward as a saved tensor; the buffers travel on `ctx` (not saved tensors,
+whose version check would fail when a layer is called again before this backward).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import dataclasses
 import torch
 
 from tqcompile import ops
-from tqcompile.api import SUPPORTED_DTYPES, quantize
+from tqcompile.api import quantize
+from tqcompile.nn._checks import linear_input_error
+from tqcompile.ops.errors import raise_error
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 
@@ -37,20 +45,26 @@ class _LinearCtx:
     input_dtype: torch.dtype
     weight_quantized: bool  # saved weight is a QuantizedTensor (columnwise) rather than the parameter
     has_bias: bool
+    update_histories: bool
 
 
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, amax_group, backward: bool, hist_x, hist_w, hist_dy):
+    def forward(
+        ctx, x, weight, bias, recipe: Recipe, amax_group, backward: bool, update_histories: bool, hist_x, hist_w, hist_dy
+    ):
         r = recipe
         # Build what backward needs only when it will run: `backward` is False under no_grad
         # (needs_input_grad does not see grad mode, and forward always runs without it).
         need_dgrad, need_wgrad = backward and ctx.needs_input_grad[0], backward and ctx.needs_input_grad[1]
         x2 = x.reshape(-1, x.shape[-1])
         x_shared = need_wgrad and r.wgrad_input == r.fprop_input
-        qx = quantize(x2, r.fprop_input, amax_group=amax_group, columnwise=x_shared, amax_history=hist_x)
+        # Delayed scaling: quantize from copies of the histories (the op rolls the copy, which then holds
+        # this call's amax at index 0); the buffers themselves roll in backward (see the module docstring).
+        next_x, next_w = (None, None) if hist_x is None else (hist_x.clone(), hist_w.clone())
+        qx = quantize(x2, r.fprop_input, amax_group=amax_group, columnwise=x_shared, amax_history=next_x)
         w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-        qw = quantize(weight, r.fprop_weight, columnwise=w_shared, amax_history=hist_w)
+        qw = quantize(weight, r.fprop_weight, columnwise=w_shared, amax_history=next_w)
         y = qgemm(qx, False, qw, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -64,18 +78,29 @@ class _QuantizedLinear(torch.autograd.Function):
             saved_x = qx.keep_usages(rowwise=False, columnwise=True)
         else:
             saved_x = quantize(x2, r.wgrad_input, amax_group=amax_group, rowwise=False, columnwise=True)
-        ctx.save_for_backward(saved_w, saved_x, hist_dy)
-        ctx.args = _LinearCtx(r, amax_group, x.shape, x.dtype, w_shared, bias is not None)
+        current_amaxes = None if hist_x is None else torch.stack((next_x[0], next_w[0]))
+        ctx.save_for_backward(saved_w, saved_x, current_amaxes)
+        # The buffers themselves are not saved tensors: backward mutates them, and a second call of the
+        # layer before this backward (a shared layer, microbatches in flight) would then fail autograd's
+        # version check.
+        ctx.histories = (hist_x, hist_w, hist_dy)
+        ctx.args = _LinearCtx(r, amax_group, x.shape, x.dtype, w_shared, bias is not None, update_histories)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         a: _LinearCtx = ctx.args
         r = a.recipe
-        saved_w, saved_x, hist_dy = ctx.saved_tensors
+        saved_w, saved_x, current_amaxes = ctx.saved_tensors
+        hist_x, hist_w, hist_dy = ctx.histories
+        if hist_dy is not None and not a.update_histories:
+            hist_dy = hist_dy.clone()  # eval mode: scale from the history, leave it as it is
         dy2 = dy.reshape(-1, dy.shape[-1])
         dy_shared = r.wgrad_grad == r.dgrad_grad
         qdy = quantize(dy2, r.dgrad_grad, amax_group=a.amax_group, columnwise=dy_shared, amax_history=hist_dy)
+        if hist_x is not None and a.update_histories:
+            ops.amax_history_update(hist_x, current_amaxes[0])
+            ops.amax_history_update(hist_w, current_amaxes[1])
 
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -93,7 +118,7 @@ class _QuantizedLinear(torch.autograd.Function):
                 dw = qgemm(qdy_t, True, saved_x, True, w_dtype)
         if a.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def linear(
@@ -104,6 +129,7 @@ def linear(
     *,
     amax_group: str | None = None,
     amax_histories: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    update_amax_histories: bool = True,
 ) -> torch.Tensor:
     """``y = x @ weight.T + bias`` with every GEMM operand quantized as `recipe` says.
 
@@ -113,19 +139,22 @@ def linear(
         amax_group: name of the group whose ranks share activation and gradient amaxes (the
             tensor-parallel group); passed to `tq.quantize` at each point of use.
         amax_histories: delayed scaling buffers (input, weight, grad) for recipes with
-            `amax_history_len` > 0; `tq.nn.Linear` owns and passes them.
+            `amax_history_len` > 0; `tq.nn.Linear` owns and passes them. Every GEMM scales from
+            the max of its operand's history (the current amax while it is all zeros). The call's
+            amaxes are rolled in once, in its backward: a forward that is recomputed (activation
+            checkpointing) or never backpropagated leaves them as they are.
+        update_amax_histories: False: scale from the histories but never roll them (what
+            `tq.nn.Linear` passes in eval mode).
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"linear: recipe must be a tq.Recipe (e.g. tq.recipes.fp8_tensorwise()), got {type(recipe).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16")
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"linear: input last dim {x.shape[-1]} does not match weight in_features {weight.shape[-1]}")
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    reason = recipe.unsupported_reason(weight.shape[-1], weight.shape[0], x.numel() // max(x.shape[-1], 1), backward=backward)
-    if reason:
-        raise ValueError(f"linear: recipe {recipe.name!r} cannot serve this call: {reason}")
+    error = linear_input_error(x, weight, recipe, backward)
+    if error is not None:
+        # Raises now in eager mode; under torch.compile, when the compiled code runs, so the user
+        # sees this message rather than Dynamo's "Observed exception" (tqcompile.ops.errors).
+        return raise_error(*error, like=x, shape=(*x.shape[:-1], weight.shape[0]))
     if recipe.amax_history_len and amax_histories is None:
         raise ValueError(f"linear: recipe {recipe.name!r} uses delayed scaling; pass amax_histories (tq.nn.Linear owns them)")
     hist_x, hist_w, hist_dy = amax_histories if recipe.amax_history_len else (None, None, None)
-    return _QuantizedLinear.apply(x, weight, bias, recipe, amax_group, backward, hist_x, hist_w, hist_dy)
+    return _QuantizedLinear.apply(x, weight, bias, recipe, amax_group, backward, update_amax_histories, hist_x, hist_w, hist_dy)

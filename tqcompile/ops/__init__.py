@@ -2,7 +2,21 @@
 them without running them, and a reference kernel (`tqcompile.kernels.reference`) that defines
 the numerics."""
 
+from tqcompile.ops.errors import raise_error, static_shape
 from tqcompile.ops.gemm import amax_history_update, gemm_tn
+from tqcompile.ops.grouped_gemm import grouped_amax, grouped_gemm_tn, grouped_mm_wgrad, grouped_quantize
 from tqcompile.ops.quantize import amax, dequantize, quantize
 
-__all__ = ["amax", "quantize", "dequantize", "gemm_tn", "amax_history_update"]
+__all__ = [
+    "amax",
+    "quantize",
+    "dequantize",
+    "gemm_tn",
+    "amax_history_update",
+    "grouped_amax",
+    "grouped_quantize",
+    "grouped_gemm_tn",
+    "grouped_mm_wgrad",
+    "raise_error",
+    "static_shape",
+]

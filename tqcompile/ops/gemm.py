@@ -12,6 +12,11 @@ rowwise scales), and otherwise an explicit emulation: dequantize both operands t
 (MX, NVFP4, FP8 blocks, INT). On CPU (torch 2.13) `_scaled_mm` equals the emulation up to fp32
 summation order: bit for bit where the sums are exact, otherwise within fp32 accumulation error
 (some shapes sum in another order and differ by an ulp; measured in tests/test_gemm_ops.py).
+
+Overflow: the emulation dequantizes with saturation (`reference.dequantize`), so a finite input
+never becomes ±Inf in an operand. CPU `_scaled_mm` multiplies each payload by its scale before the
+matmul without that saturation: where a payload times its scale_inv can exceed fp32's max (an amax
+within a grid step of it, see docs/numerics), the CPU path takes the emulation instead.
 """
 
 from __future__ import annotations
@@ -21,8 +26,25 @@ import torch
 from tqcompile.kernels import reference
 from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
 
+_FP32_MAX = torch.finfo(torch.float32).max
 
-def _scaled_mm_applies(a_data: torch.Tensor, a_q: Quantizer, b_data: torch.Tensor, b_q: Quantizer, out_dtype: torch.dtype) -> bool:
+
+def _dequantizes_in_range(scale_inv: torch.Tensor, q: Float8Quantizer) -> bool:
+    """Whether every payload times its scale_inv stays within fp32 (checked in float64, exactly).
+    A host read, which is free on the CPU (the only place it runs) and happens inside the op's
+    kernel, so it never reaches a traced graph."""
+    return scale_inv.double().max().item() * q.format.max_value <= _FP32_MAX
+
+
+def _scaled_mm_applies(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    a_q: Quantizer,
+    b_data: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    b_q: Quantizer,
+    out_dtype: torch.dtype,
+) -> bool:
     if not (isinstance(a_q, Float8Quantizer) and isinstance(b_q, Float8Quantizer)):
         return False
     # An empty operand (e.g. an MoE expert given no tokens): torch._scaled_mm rejects the (0, 1)
@@ -34,7 +56,7 @@ def _scaled_mm_applies(a_data: torch.Tensor, a_q: Quantizer, b_data: torch.Tenso
     if not (grans == {Granularity.TENSORWISE} or (rowwise and a_q.axis % 2 == 1 and b_q.axis % 2 == 1)):
         return False
     if a_data.device.type == "cpu":
-        return True
+        return _dequantizes_in_range(a_scale_inv, a_q) and _dequantizes_in_range(b_scale_inv, b_q)
     # CUDA's FP8 GEMMs: dims multiples of 16, not both E5M2; rowwise wants E4M3 and bf16 out.
     dims_ok = all(d % 16 == 0 for d in (*a_data.shape, b_data.shape[0]))
     both_e5m2 = a_q.format.name == b_q.format.name == "E5M2"
@@ -60,7 +82,7 @@ def gemm_tn(
     # fp32 emulation's matmul (and CPU `_scaled_mm`, which matmuls inside) bf16, and differ from the
     # compiled graph, whose kernels run without it.
     with torch.autocast(a_data.device.type, enabled=False):
-        if _scaled_mm_applies(a_data, a_quantizer, b_data, b_quantizer, out_dtype):
+        if _scaled_mm_applies(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype):
             return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
         a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
         b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)

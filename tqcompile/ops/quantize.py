@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tqcompile.kernels import reference
+from tqcompile.ops.inductor import register_inductor_decompositions
 from tqcompile.quantizers import Quantizer
 
 
@@ -21,6 +22,7 @@ def amax(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
 
 @amax.register_fake
 def _amax_fake(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
+    register_inductor_decompositions()
     return x.new_empty((), dtype=torch.float32)
 
 
@@ -34,6 +36,7 @@ def quantize(
 
 @quantize.register_fake
 def _quantize_fake(x, quantizer, amax, seed):
+    register_inductor_decompositions()
     payload = x.new_empty(quantizer.payload_shape(x.shape), dtype=quantizer.element_format().storage_dtype)
     scale_inv = x.new_empty(quantizer.scale_shape(x.shape), dtype=quantizer.scale_dtype())
     return payload, scale_inv
@@ -49,6 +52,7 @@ def dequantize(
 
 @dequantize.register_fake
 def _dequantize_fake(data, scale_inv, amax, quantizer, dtype):
+    register_inductor_decompositions()
     return data.new_empty(quantizer.logical_shape(data.shape), dtype=dtype)
 
 

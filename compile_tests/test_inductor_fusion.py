@@ -1,0 +1,77 @@
+"""Inductor sees through the `tqcompile` ops where it can fuse them (`tqcompile.ops.inductor`).
+
+For FP8 and INT quantizers with tensorwise or rowwise scales on CPU, inductor gets the reference
+kernels of amax, quantize and dequantize as decompositions: the generated code must call none of
+them (the amax, the scale and the cast are generated code that inductor fuses with its
+neighbours) and still equal eager bit for bit. Quantizers inductor cannot compile
+(MX's E8M0 scales, 1-D blocks: see the module) keep their opaque kernel, and also equal eager.
+The traced interface does not change: `aot_eager` still sees one opaque node per op (the goldens
+in test_compile_golden.py hold that).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import tqcompile as tq
+from tqcompile.testing import assert_bitwise_equal
+
+
+def _linear_step(recipe: tq.Recipe):
+    torch.manual_seed(0)
+    layer = tq.nn.Linear(128, 256, recipe=recipe)
+    x = torch.randn(256, 128, requires_grad=True)
+
+    def fwd(x):
+        # A producer and a consumer inductor may fuse with the quantize path. Both are exact in
+        # forward and backward (a power-of-two multiply, relu), so fusing them cannot change a bit;
+        # silu's backward would (inductor rounds its decomposition differently from eager).
+        return torch.relu(layer(x * 0.5)) * 2.0
+
+    def run(f):
+        x.grad, layer.weight.grad = None, None
+        y = f(x)
+        y.backward(torch.ones_like(y))
+        return y, x.grad, layer.weight.grad
+
+    return fwd, run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "decomposed"),
+    [("fp8_tensorwise", True), ("mxfp8", False)],
+)
+def test_inductor_decomposes_fusable_quantizers(name: str, decomposed: bool) -> None:
+    torch.compiler.reset()
+    fwd, run = _linear_step(tq.recipes.get(name))
+    eager = run(fwd)
+    compiled_fwd = torch.compile(fwd, fullgraph=True, backend="inductor")
+    compiled, codes = run_and_get_code(run, compiled_fwd)
+    assert_bitwise_equal(compiled, eager)
+    code = "\n".join(codes)
+    assert codes, "inductor generated no code"
+    # gemm_tn stays an opaque kernel call in every case (see tqcompile.ops.inductor).
+    assert "torch.ops.tqcompile.gemm_tn" in code
+    if decomposed:
+        called = [op for op in ("amax", "quantize", "dequantize") if f"torch.ops.tqcompile.{op}." in code]
+        assert not called, f"{name}: inductor left {called} opaque"
+    else:
+        assert "torch.ops.tqcompile.quantize." in code, f"{name}: expected the opaque quantize kernel"
+
+
+def test_aot_eager_keeps_the_ops_opaque() -> None:
+    """The decompositions are inductor's alone: AOTAutograd with aot_eager records the op nodes."""
+    from tqcompile.testing.compile import AotGraphRecorder, CompileCounter, graph_code
+
+    torch.compiler.reset()
+    recorder = AotGraphRecorder()
+    fn = torch.compile(
+        lambda x: tq.quantize(x, tq.Float8Quantizer()).dequantize(), backend=CompileCounter(recorder), fullgraph=True
+    )
+    fn(torch.randn(16, 32))
+    code = graph_code(recorder.forward_graphs[0])
+    for op in ("tqcompile.amax", "tqcompile.quantize", "tqcompile.dequantize"):
+        assert op in code, code

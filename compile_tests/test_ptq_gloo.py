@@ -1,0 +1,304 @@
+"""PTQ on two CPU ranks over gloo: distributed calibration, SyncBatchNorm/DDP orders, and an
+expert-parallel checkpoint with torch.distributed.checkpoint.
+
+One spawn runs every rank-side check (starting processes is the slow part); each rank saves what
+it produced and the test compares, in this process, the ranks with each other and with
+single-process runs built the other way:
+
+1. distributed calibration: each rank calibrates on different data with ``amax_groups=[WORLD]``;
+   every rank ends with the amaxes a single process gets on the union of the data (max, and
+   percentile whose histograms are summed), with one collective per reduction, not per batch;
+2. orders: quantize -> convert_sync_batchnorm; convert_sync_batchnorm -> quantize; DDP (on CPU
+   DDP refuses SyncBatchNorm, so DDP wraps the BatchNorm model) -> quantize. Each state restores
+   into a single-process model built another way: same keys, same summary rows, same outputs;
+3. expert parallelism: each rank holds 2 of 4 experts; `tq.quant_state(model, expert_mesh=...)`
+   (no collective) is saved with DCP, and loads bit for bit with EP=2 (on the ranks) and EP=1
+   (here, one process).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import tqcompile as tq
+
+WORLD_SIZE = 2
+JOIN_TIMEOUT_S = 300
+EXPERTS, LOCAL_EXPERTS, D, H = 4, 2, 32, 64
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        return self.fc(F.relu(self.bn2(self.conv2(x))).mean((2, 3)))
+
+
+def _cnn() -> CNN:
+    torch.manual_seed(0)
+    return CNN().eval()
+
+
+def _batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    return [torch.randn(2, 3, 8, 8, generator=g) * (1.0 + 2.0 * rank) for _ in range(3)]
+
+
+def _tokens(expert: int) -> torch.Tensor:
+    return torch.randn(6, D, generator=torch.Generator().manual_seed(50 + expert)) * (1.0 + expert)
+
+
+def _experts(n: int, first: int) -> tq.nn.GroupedLinear:
+    full = tq.nn.GroupedLinear(EXPERTS, D, H, recipe=tq.recipes.fp8_tensorwise())
+    torch.manual_seed(1)
+    full.reset_parameters()
+    local = tq.nn.GroupedLinear(n, D, H, recipe=tq.recipes.fp8_tensorwise())
+    with torch.no_grad():
+        local.weight.copy_(full.weight[first : first + n])
+    return local
+
+
+TEST_IMAGES = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(99))
+CONFIG = tq.configs.int8()
+
+
+def _loop(batches):
+    return lambda m: [m(x) for x in batches]
+
+
+def _record(model) -> dict:
+    with torch.no_grad():
+        out = model(TEST_IMAGES)
+    return {"state": tq.quant_state(model), "rows": tq.summary(model).rows, "out": out, "weights": model.state_dict()}
+
+
+def _rank_checks(rank: int, out_dir: str) -> None:
+    world = dist.group.WORLD
+    results: dict = {}
+
+    # 1 + 2a. quantize (distributed max calibration), then convert_sync_batchnorm.
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        a = tq.calibrate(_cnn(), CONFIG, _loop(_batches(rank)), amax_groups=[world], progress=False)
+    finally:
+        dist.all_reduce = all_reduce
+    results["max_collectives"] = len(calls)  # 3 batches; one for the activations, one for the weights
+    results["quantize_then_sync"] = _record(nn.SyncBatchNorm.convert_sync_batchnorm(a))
+
+    # 2b. convert_sync_batchnorm, then quantize (SyncBatchNorm runs on CPU in eval mode).
+    b = nn.SyncBatchNorm.convert_sync_batchnorm(_cnn())
+    results["sync_then_quantize"] = _record(tq.calibrate(b, CONFIG, _loop(_batches(rank)), amax_groups=[world], progress=False))
+
+    # 2c. DDP (module.-prefixed names), then quantize.
+    d = nn.parallel.DistributedDataParallel(_cnn())
+    results["ddp_then_quantize"] = _record(tq.calibrate(d, CONFIG, _loop(_batches(rank)), amax_groups=[world], progress=False))
+
+    # 1'. percentile: histograms summed over the group.
+    p = tq.calibrate(
+        _cnn(), CONFIG, _loop(_batches(rank)), algorithm="percentile", percentile=99.0, amax_groups=[world], progress=False
+    )
+    results["percentile"] = tq.quant_state(p)
+
+    # 1''. data-parallel MoE: each rank routes no token to a different expert; after the reduction
+    #      every expert has an amax from the other rank's tokens (no idle-expert fallback, no warning).
+    splits = [[6, 0, 6, 6], [6, 6, 0, 6]][rank]
+    dp_moe = _experts(EXPERTS, 0)
+    local_tokens = torch.cat([_tokens(e) * (1 + rank) for e, n in enumerate(splits) if n])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tq.calibration.CalibrationWarning)
+        tq.calibrate(dp_moe, tq.configs.fp8(), lambda m: m(local_tokens, splits), amax_groups=[world], progress=False)
+    results["dp_moe_input_amax"] = dp_moe.input_quantizer.amax
+
+    # 3. expert parallelism: this rank's 2 experts, calibrated on the tokens routed to them.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    first = rank * LOCAL_EXPERTS
+    moe = _experts(LOCAL_EXPERTS, first)
+    tokens = [_tokens(first + i) for i in range(LOCAL_EXPERTS)]
+    tq.calibrate(moe, tq.configs.fp8(), lambda m: m(torch.cat(tokens), [6] * LOCAL_EXPERTS), progress=False)
+    banned = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "gather",
+        "scatter",
+        "barrier",
+        "reduce_scatter_tensor",
+    )
+    saved_fns = {n: getattr(dist, n) for n in banned}
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective ran while building the checkpoint state")
+
+    for n in banned:
+        setattr(dist, n, no_collective)
+    try:
+        state = tq.quant_state(moe, expert_mesh=mesh)  # the traversal's input: built with no collective
+    finally:
+        for n, fn in saved_fns.items():
+            setattr(dist, n, fn)
+    from torch.distributed.tensor import DTensor, Shard
+
+    weights = {"weight": DTensor.from_local(moe.weight.detach(), mesh, [Shard(0)], run_check=False)}
+    dcp.save({"quant": state, "model": weights}, checkpoint_id=f"{out_dir}/ep_ckpt")
+    # EP=2 load into a freshly built local model.
+    fresh = tq.calibration.prepare(_experts(LOCAL_EXPERTS, first), tq.configs.fp8())
+    dcp.load({"quant": tq.quant_state(fresh, expert_mesh=mesh)}, checkpoint_id=f"{out_dir}/ep_ckpt")
+    with torch.no_grad():
+        results["ep_out"] = moe(torch.cat(tokens), [6] * LOCAL_EXPERTS)
+        results["ep_reloaded_out"] = fresh(torch.cat(tokens), [6] * LOCAL_EXPERTS)
+    results["ep_amax"] = {s: getattr(moe, f"{s}_quantizer").amax for s in ("input", "weight")}
+    results["ep_reloaded_amax"] = {s: getattr(fresh, f"{s}_quantizer").amax for s in ("input", "weight")}
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        _rank_checks(rank, out_dir)
+    except BaseException:
+        with open(f"{out_dir}/rank{rank}.error", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path) -> list[dict]:
+    ctx = mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=5):  # raises as soon as a rank fails (and ends the others)
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise AssertionError(f"the ranks did not finish within {JOIN_TIMEOUT_S} s")
+    except Exception as e:
+        traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
+        raise AssertionError(f"a rank failed:\n{traces or e}") from e
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+
+
+def _amaxes(state: dict) -> dict:
+    return {(n, s): e[s]["amax"] for n, e in state["modules"].items() for s in ("input", "weight", "output")}
+
+
+def _assert_same_amaxes(a: dict, b: dict, what: str) -> None:
+    x, y = _amaxes(a), _amaxes(b)
+    assert list(x) == list(y), what
+    for k in x:
+        assert (x[k] is None and y[k] is None) or torch.equal(x[k], y[k]), f"{what}: {k}"
+
+
+def _without_class(rows):
+    return [dataclasses.replace(r, module_class="") for r in rows]
+
+
+@pytest.fixture
+def one_thread():
+    # As on the ranks: the same matmul/conv blocking, so the same float sums when outputs are compared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_ptq_two_ranks(tmp_path, one_thread):
+    ranks = _spawn(tmp_path)
+    union = _batches(0) + _batches(1)
+
+    # 1. Distributed calibration equals a single process on the union of the data.
+    single = tq.calibrate(_cnn(), CONFIG, _loop(union), progress=False)
+    single_p = tq.calibrate(_cnn(), CONFIG, _loop(union), algorithm="percentile", percentile=99.0, progress=False)
+    for r, res in enumerate(ranks):
+        assert res["max_collectives"] == 2, f"rank {r}: {res['max_collectives']} all_reduce calls; one per reduction expected"
+        for order in ("quantize_then_sync", "sync_then_quantize", "ddp_then_quantize"):
+            _assert_same_amaxes(res[order]["state"], tq.quant_state(single), f"rank {r} {order}")
+        _assert_same_amaxes(res["percentile"], tq.quant_state(single_p), f"rank {r} percentile")
+    local0 = tq.quant_state(tq.calibrate(_cnn(), CONFIG, _loop(_batches(0)), progress=False))
+    assert not torch.equal(
+        local0["modules"]["conv1"]["input"]["amax"], tq.quant_state(single)["modules"]["conv1"]["input"]["amax"]
+    )
+
+    union_tokens = [
+        torch.cat([_tokens(e) * (1 + r) for r in range(WORLD_SIZE) if [[6, 0, 6, 6], [6, 6, 0, 6]][r][e]]) for e in range(EXPERTS)
+    ]
+    expected = torch.stack([t.abs().amax() for t in union_tokens])
+    for r, res in enumerate(ranks):
+        assert torch.equal(res["dp_moe_input_amax"], expected), f"rank {r} data-parallel MoE input amaxes"
+
+    # 2. Every order gives the same state; each restores into a single-process model built another way.
+    ref = ranks[0]["quantize_then_sync"]
+    expected_classes = {
+        "quantize_then_sync": ["Conv2d", "SyncBatchNorm", "Conv2d", "SyncBatchNorm", "Linear"],
+        "sync_then_quantize": ["Conv2d", "SyncBatchNorm", "Conv2d", "SyncBatchNorm", "Linear"],
+        "ddp_then_quantize": ["Conv2d", "BatchNorm2d", "Conv2d", "BatchNorm2d", "Linear"],
+    }
+    for order, classes in expected_classes.items():
+        rec = ranks[0][order]
+        assert [r.module_class for r in rec["rows"]] == classes, order
+        assert _without_class(rec["rows"]) == _without_class(ref["rows"]), order
+        assert list(rec["state"]["modules"]) == ["conv1", "bn1", "conv2", "bn2", "fc"], order  # no "module." prefix
+        assert torch.equal(rec["out"], ref["out"]), order
+        weights = {k.removeprefix("module."): v for k, v in rec["weights"].items()}
+        for rebuilt in (_cnn(), nn.SyncBatchNorm.convert_sync_batchnorm(_cnn())):  # plain BatchNorm, and SyncBatchNorm
+            model = tq.restore(rebuilt, rec["state"])
+            model.load_state_dict(weights)
+            _assert_same_amaxes(tq.quant_state(model), rec["state"], order)
+            assert _without_class(tq.summary(model).rows) == _without_class(rec["rows"])
+            with torch.no_grad():
+                assert torch.equal(model(TEST_IMAGES), rec["out"]), order
+
+    # 3. The EP=2 checkpoint: bit for bit on the ranks (EP=2) and in one process (EP=1).
+    for r, res in enumerate(ranks):
+        for s in ("input", "weight"):
+            assert torch.equal(res["ep_reloaded_amax"][s], res["ep_amax"][s]), f"rank {r} EP=2 {s}"
+        assert torch.equal(res["ep_reloaded_out"], res["ep_out"]), f"rank {r} EP=2 output"
+    full = tq.calibration.prepare(_experts(EXPERTS, 0), tq.configs.fp8())
+    loaded_weights = {"weight": torch.empty(EXPERTS, H, D)}
+    dcp.load({"quant": tq.quant_state(full), "model": loaded_weights}, checkpoint_id=str(tmp_path / "ep_ckpt"))
+    assert torch.equal(full.weight, loaded_weights["weight"])
+    for s in ("input", "weight"):
+        assert torch.equal(getattr(full, f"{s}_quantizer").amax, torch.cat([res["ep_amax"][s] for res in ranks])), f"EP=1 {s}"
+    # ... and equals calibrating all 4 experts in one process.
+    one = tq.calibrate(
+        _experts(EXPERTS, 0),
+        tq.configs.fp8(),
+        lambda m: m(torch.cat([_tokens(e) for e in range(EXPERTS)]), [6] * EXPERTS),
+        progress=False,
+    )
+    _assert_same_amaxes(tq.quant_state(full), tq.quant_state(one), "EP=1 vs single-process calibration")
+    with torch.no_grad():
+        y = full(torch.cat([_tokens(e) for e in range(EXPERTS)]), [6] * EXPERTS)
+    assert torch.equal(y, torch.cat([res["ep_out"] for res in ranks]))
+    copy.deepcopy(full)  # a restored model is an ordinary module

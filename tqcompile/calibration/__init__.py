@@ -1,0 +1,32 @@
+"""PTQ and QAT: configs, calibration, fake quantization, quantization state save/restore.
+
+`tq.calibrate(model, config, forward_loop)` converts a model in place to fake-quantized modules
+and calibrates their static amaxes; `tq.summary`, `tq.quant_state` and `tq.restore` inspect, save
+and rebuild that state. Fake quantization is ``tq.quantize(x, q, amax=...).dequantize()``: the
+same quantizers, ops and kernels as training. See docs/ptq.md and docs/qat.md.
+"""
+
+from tqcompile.calibration.calibrate import ALGORITHMS, CalibrationWarning, calibrate, prepare
+from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule
+from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize
+from tqcompile.calibration.modules import FakeQuantModule
+from tqcompile.calibration.state import QuantSummary, SummaryRow, quant_state, reattach, restore, summary
+
+__all__ = [
+    "calibrate",
+    "prepare",
+    "ALGORITHMS",
+    "CalibrationWarning",
+    "QuantConfig",
+    "QuantRule",
+    "ConfigError",
+    "fake_quantize",
+    "TensorQuantizer",
+    "FakeQuantModule",
+    "quant_state",
+    "restore",
+    "reattach",
+    "summary",
+    "QuantSummary",
+    "SummaryRow",
+]

@@ -1,0 +1,436 @@
+"""`tq.calibrate`: convert a model to fake-quantized modules and calibrate their static amaxes.
+
+Order of work, so that a failure leaves the model exactly as it was:
+
+1. plan: match the config against every module (nothing is changed yet; bad configs raise here);
+2. convert the planned modules and run ``forward_loop(model)`` with the quantizers recording
+   statistics (the model computes in high precision while calibrating, so every layer sees the
+   float model's activations); if anything raises, the conversion is undone and the model's
+   buffers (e.g. BatchNorm running statistics) are put back;
+3. turn the statistics into amaxes (the algorithm), compute weight amaxes from the weights, and
+   MAX-reduce all of them over the given process groups, once, in one collective per group.
+
+Algorithms, for the static activation amaxes of quantizers with a per-element error model
+(tensorwise FP8 and INT):
+
+- "max": the largest |x| seen;
+- "percentile": the `percentile`-th percentile of |x| over all calibration data (a histogram of
+  2048 bins over [0, max], which needs a second pass of `forward_loop`);
+- "mse": the clipping value (among up to 128 bin edges, spaced geometrically) that
+  minimises the expected squared error of ``tq.quantize(v, q, amax=c).dequantize()`` over it.
+
+NVFP4 global amaxes and per-expert input amaxes always use "max". Weights use "max", except that
+"mse" also searches a per-unit clipping ratio of the weight amax that minimises each unit's error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tqcompile.api import quantize
+from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
+from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer
+from tqcompile.calibration.modules import (
+    FakeQuantModule,
+    base_class,
+    canonical_modules,
+    convert_module,
+    kind_of,
+    module_device,
+    unconvert_module,
+    unsupported_reason,
+    weight_view,
+)
+from tqcompile.kernels.reference import unit_amax
+from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
+
+__all__ = ["calibrate", "prepare", "ALGORITHMS", "CalibrationWarning"]
+
+ALGORITHMS = ("max", "percentile", "mse")
+_MSE_CANDIDATES = 128
+_WEIGHT_MSE_RATIOS = 40  # clipping ratios 0.5 ... 1.0 tried per weight unit
+
+
+class CalibrationWarning(UserWarning):
+    """Something calibration did that a user should know: an unmatched rule, a skipped module,
+    an expert that received no tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationRecord:
+    """What `tq.quant_state` saves besides the amaxes (kept on the calibrated model)."""
+
+    config: QuantConfig
+    algorithm: str
+    percentile: float
+
+
+@dataclasses.dataclass
+class _Planned:
+    name: str
+    module: nn.Module
+    quantizers: dict[str, Quantizer | None]
+
+
+def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) -> list[_Planned]:
+    """What `calibrate` would do to each module (raises ConfigError on a config that cannot apply)."""
+    planned, matched, skipped = [], [False] * len(config.rules), []
+    for name, module in canonical_modules(model):
+        if isinstance(module, FakeQuantModule):
+            raise ValueError(
+                f"tq.calibrate: module {name!r} is already fake-quantized; calibrate a freshly built model (or use tq.restore)"
+            )
+        for i, rule in enumerate(config.rules):
+            if not matched[i] and rule.matches(name, module):
+                matched[i] = True
+        found = kind_of(module)
+        if found is None:
+            continue
+        kind, _, allowed = found
+        reason = unsupported_reason(module)
+        quantizers = config.resolve(name, module)
+        if reason:
+            if any(quantizers.values()):
+                skipped.append(f"  {name} ({type(module).__name__}): {reason}")
+            continue
+        for slot in SLOTS:
+            q = quantizers[slot]
+            if q is not None and slot not in allowed:
+                raise ConfigError(
+                    f"tq.calibrate: the config enables the {slot} quantizer of {name!r} ({kind}), which has only {', '.join(allowed)} "
+                    f"quantizers; disable it with a rule such as QuantRule(name={name!r}, {slot}=False)"
+                )
+        wq = quantizers["weight"]
+        if wq is not None:
+            w = weight_view(module, module.weight)
+            try:
+                wq.check_shape(w.shape if kind != "GroupedLinear" else w.shape[1:])
+            except ValueError as e:
+                skipped.append(
+                    f"  {name} ({type(module).__name__}): weight quantizer disabled, its {tuple(w.shape)} weight does not fit: {e}"
+                )
+                quantizers["weight"] = None
+        planned.append(_Planned(name, module, quantizers))
+    if warn_unmatched:
+        for i, rule in enumerate(config.rules):
+            if rule.must_match and not matched[i]:
+                warnings.warn(f"tq.calibrate: {rule.describe()} matches no module of the model", CalibrationWarning, stacklevel=3)
+    if skipped:
+        warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(skipped), CalibrationWarning, stacklevel=3)
+    return planned
+
+
+def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups) -> tuple:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tq.calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(config, QuantConfig):
+        raise TypeError(
+            f"tq.calibrate: config must be a tq.calibration.QuantConfig (e.g. tq.configs.int8()), got {type(config).__name__}"
+        )
+    if not callable(forward_loop):
+        raise TypeError(f"tq.calibrate: forward_loop must be a callable taking the model, got {type(forward_loop).__name__}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"tq.calibrate: algorithm={algorithm!r} is not allowed; allowed: {', '.join(map(repr, ALGORITHMS))}")
+    if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
+        raise ValueError(f"tq.calibrate: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
+    groups = tuple(amax_groups or ())
+    for g in groups:
+        if not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"tq.calibrate: amax_groups must hold torch.distributed ProcessGroups, got {type(g).__name__}")
+    return groups
+
+
+def calibrate(
+    model: nn.Module,
+    config: QuantConfig,
+    forward_loop: Callable[[nn.Module], object],
+    *,
+    algorithm: str = "max",
+    percentile: float = 99.99,
+    amax_groups: Sequence[dist.ProcessGroup] = (),
+    progress: bool = True,
+) -> nn.Module:
+    """Convert `model` in place to fake-quantized modules and calibrate their static amaxes.
+
+    Linear, Conv1d/2d/3d, `tq.nn.GroupedLinear`, Embedding and the norm family (BatchNorm*,
+    SyncBatchNorm, LayerNorm, RMSNorm, GroupNorm) are converted, whether or not the config enables
+    a quantizer on them, so that every one appears in `tq.summary` and `tq.quant_state`.
+
+    Args:
+        model: the float model (wrapped in DDP or not; matched by canonical names).
+        config: a `QuantConfig`, e.g. `tq.configs.int8()`.
+        forward_loop: ``forward_loop(model)`` runs the calibration data through the model.
+            It runs once, or twice for "percentile" and "mse" (a second pass fills histograms).
+        algorithm: "max", "percentile" or "mse" (see the module docstring).
+        percentile: for "percentile", in (50, 100].
+        amax_groups: process groups (data parallel, tensor parallel) over which every static amax
+            (and histogram) is reduced, once at the end of each pass, so all ranks get the same
+            scales: the ones a single process would get from the union of their data.
+        progress: show a progress bar (tqdm) counting the model's forward calls.
+
+    Returns:
+        `model`, fake-quantized: it now computes ``dequantize(quantize(x))`` at every enabled
+        quantizer, and trains (QAT) with the config's straight-through estimator.
+
+    Example:
+        >>> tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in batches])
+    """
+    groups = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
+    planned = plan(model, config)
+    saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    buffers = list(model.buffers())
+    try:
+        for p in planned:
+            convert_module(p.module, p.name, p.quantizers, config.ste)
+        tqs = _quantizers(planned)
+        for p in planned:
+            for t in p.module.quantizers().values():
+                t.calibrating = True
+                if t.role != "weight" and t.static_kind == "tensor":
+                    # Every rank holds every statistic, seen or not (-1: no data yet), so the
+                    # reductions line up across ranks whatever data each one got.
+                    t.stat_max = torch.full((t.num_experts,) if t.num_experts else (), -1.0, device=module_device(p.module))
+        _run(
+            model,
+            forward_loop,
+            [p.module for p in planned],
+            "calibrating" if algorithm == "max" else "calibrating (1/2: max)",
+            progress,
+        )
+        _reduce([t.stat_max for t in tqs if t.stat_max is not None], groups)
+        if algorithm != "max":
+            hist_tqs = [t for t in tqs if _uses_histogram(t)]
+            for t in hist_tqs:
+                t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
+                t.hist = torch.zeros(HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
+            _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
+            _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
+        _finalize(planned, algorithm, percentile, groups)
+    except BaseException:
+        for p in planned:
+            unconvert_module(p.module)
+        with torch.no_grad():
+            for b in buffers:
+                if id(b) in saved_buffers:
+                    b.copy_(saved_buffers[id(b)])
+        raise
+    root = next(m for _, m in canonical_modules(model))  # inside any DDP / compile wrapper, so it survives (un)wrapping
+    root.tq_calibration = CalibrationRecord(config, algorithm, float(percentile))
+    return model
+
+
+def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
+    """Convert `model` in place as `calibrate` would, with every static amax a zero placeholder of
+    its final shape, and no data: a template to load a saved state into, e.g. with
+    ``torch.distributed.checkpoint.load({"quant": tq.quant_state(model, expert_mesh=mesh)}, ...)``,
+    which fills the amax buffers in place (resharding per-expert amaxes to this model's experts).
+
+    Quantizers that calibration would have disabled because an activation's shape does not fit
+    cannot be known without data; restore such models with `tq.restore` instead.
+    """
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"tq.calibration.prepare: config must be a QuantConfig, got {type(config).__name__}")
+    planned = plan(model, config)
+    for p in planned:
+        convert_module(p.module, p.name, p.quantizers, config.ste)
+    for p in planned:
+        m = p.module
+        for slot, t in m.quantizers().items():
+            kind = t.static_kind
+            if kind is None:
+                continue
+            device = module_device(m)
+            if slot == "weight":
+                w = weight_view(m, m.weight)
+                shape = t.quantizer.scale_shape(w.shape) if kind == "unit" else ((w.shape[0], 1, 1) if t.num_experts else ())
+            else:
+                shape = (t.num_experts,) if t.num_experts else ()
+            t.set_amax(torch.zeros(shape, device=device))
+    root = next(m for _, m in canonical_modules(model))
+    root.tq_calibration = CalibrationRecord(config, "max", 99.99)
+    return model
+
+
+def _quantizers(planned: list[_Planned]) -> list[TensorQuantizer]:
+    return [q for p in planned for q in p.module.quantizers().values()]
+
+
+def _uses_histogram(t: TensorQuantizer) -> bool:
+    return (
+        t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not isinstance(t.quantizer, NVFP4Quantizer)
+    )
+
+
+def _run(model, forward_loop, modules: list[nn.Module], desc: str, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=desc, unit=" batch", disable=not progress)
+    calls = [0, 0]  # forward calls of the model, and of any converted module (a loop may call submodules)
+
+    def count_model(*_):
+        calls[0] += 1
+        bar.update(1)
+
+    def count_module(*_):
+        calls[1] += 1
+
+    # On the module inside any DDP / compile wrapper: calling the wrapper calls it too.
+    handles = [next(m for _, m in canonical_modules(model)).register_forward_pre_hook(count_model)]
+    handles += [m.register_forward_pre_hook(count_module) for m in modules]
+    try:
+        with torch.no_grad():
+            forward_loop(model)
+    finally:
+        for h in handles:
+            h.remove()
+        bar.close()
+    if calls == [0, 0]:
+        raise RuntimeError(
+            "tq.calibrate: forward_loop never called the model; it must run calibration data through it, e.g. lambda m: [m(x) for x in batches]"
+        )
+
+
+def _reduce(tensors: list[torch.Tensor], groups, op=dist.ReduceOp.MAX) -> None:
+    """Reduce every tensor in place over each group: one flat collective per group and dtype."""
+    if not groups or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        for g in groups:
+            dist.all_reduce(flat, op=op, group=g)
+        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+            t.copy_(part.view_as(t))
+
+
+def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups) -> None:
+    weight_amaxes, unfit = [], []
+    for p in planned:
+        m = p.module
+        for slot, t in m.quantizers().items():
+            t.calibrating = False
+            if t.unfit is not None:
+                unfit.append(f"  {p.name} ({base_class(m).__name__}): {slot} quantizer disabled, {t.unfit}")
+                t.quantizer = None
+            if t.quantizer is not None and t.static_kind is not None:
+                if slot == "weight":
+                    t.set_amax(_weight_amax(m, t, algorithm))
+                    weight_amaxes.append(t.amax)
+                else:
+                    t.set_amax(_activation_amax(p.name, t, algorithm, percentile))
+            t._reset_stats()
+    if unfit:
+        warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(unfit), CalibrationWarning, stacklevel=3)
+    # Weights are replicated over data-parallel groups and tensor-level amaxes of sharded weights
+    # need the max over the shards: one MAX-reduce covers both (see docs/ptq.md for per-channel).
+    _reduce(weight_amaxes, groups)
+
+
+def _activation_amax(name: str, t: TensorQuantizer, algorithm: str, percentile: float) -> torch.Tensor:
+    if bool((t.stat_max < 0).all()):
+        raise RuntimeError(
+            f"tq.calibrate: the {t.role} quantizer of {name!r} saw no data during calibration (the module never ran); "
+            f"run data through it in forward_loop, or disable it with QuantRule(name={name!r}, {t.role}=False)"
+        )
+    if t.num_experts is not None:
+        return _expert_amax(name, t.stat_max)
+    if not _uses_histogram(t) or algorithm == "max":
+        return t.stat_max
+    edges = torch.linspace(0.0, float(t.hist_max), HIST_BINS + 1, dtype=torch.float64)
+    if algorithm == "percentile":
+        cdf = t.hist.cumsum(0) / t.hist.sum()
+        idx = int(torch.searchsorted(cdf, torch.tensor(percentile / 100.0, dtype=cdf.dtype)).clamp(max=HIST_BINS - 1))
+        return edges[idx + 1].to(torch.float32).to(t.stat_max.device)
+    return _mse_amax(t, edges)
+
+
+def _mse_amax(t: TensorQuantizer, edges: torch.Tensor) -> torch.Tensor:
+    """The clipping value minimising the histogram-weighted squared error of fake quantization.
+
+    Candidates are bin edges spaced geometrically (finer where small clips are), each tried with
+    the library's own quantize on the bin centres."""
+    centers = ((edges[:-1] + edges[1:]) / 2).to(torch.float32)
+    counts = t.hist.to(torch.float64)
+    ks = torch.unique(torch.logspace(0, math.log10(HIST_BINS), _MSE_CANDIDATES).round().long())
+    best, best_err = edges[-1].to(torch.float32), math.inf
+    for k in ks.tolist():
+        c = edges[k].to(torch.float32)
+        dq = quantize(centers, t.quantizer, amax=c).dequantize()
+        err = float((((dq - centers).double()) ** 2 * counts).sum())
+        if err < best_err:
+            best, best_err = c, err
+    return best.to(t.stat_max.device)
+
+
+def _expert_amax(name: str, per_expert: torch.Tensor) -> torch.Tensor:
+    """Per-expert input amaxes; an expert that received no tokens gets the max over the others."""
+    unseen = per_expert < 0
+    if bool(unseen.all()):
+        raise RuntimeError(
+            f"tq.calibrate: no expert of {name!r} received any token during calibration; calibrate with data that reaches it"
+        )
+    if bool(unseen.any()):
+        idle = unseen.nonzero().flatten().tolist()
+        warnings.warn(
+            f"tq.calibrate: experts {idle} of {name!r} received no tokens during calibration; "
+            "their input amax is set to the max over the other experts",
+            CalibrationWarning,
+            stacklevel=4,
+        )
+    return torch.where(unseen, per_expert.max(), per_expert)
+
+
+def _weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch.Tensor:
+    q = t.quantizer
+    with torch.no_grad():
+        w = weight_view(module, module.weight.detach())
+        if t.num_experts is not None and t.static_kind == "tensor":
+            from tqcompile import ops
+
+            amax = torch.stack([ops.amax(w[e], q) for e in range(w.shape[0])]).reshape(-1, 1, 1)
+            if algorithm == "mse":
+                amax = torch.stack([_mse_weight(w[e], q, amax[e].reshape(())) for e in range(w.shape[0])]).reshape(-1, 1, 1)
+            return amax
+        amax = unit_amax(w, q) if t.static_kind == "unit" else _tensor_amax(w, q)
+        return _mse_weight(w, q, amax) if algorithm == "mse" else amax
+
+
+def _tensor_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    from tqcompile import ops
+
+    return ops.amax(w, q)
+
+
+def _unit_sum(err: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
+    """Sum a per-element error over each scaling unit (the shape of `amax`)."""
+    if amax.dim() == 0:
+        return err.sum()
+    gran, axis, block = q.layout()
+    if gran is Granularity.ROWWISE:
+        return err.sum(axis, keepdim=True)
+    if gran is Granularity.BLOCKWISE_1D:
+        return err.unflatten(-1, (-1, block)).sum(-1)
+    return err.unflatten(-1, (-1, block)).unflatten(-3, (-1, block)).sum((-3, -1))
+
+
+def _mse_weight(w: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
+    """Per-unit amax ``r * amax`` with r in [0.5, 1] minimising that unit's squared error."""
+    best_amax, best_err = amax, None
+    for i in range(_WEIGHT_MSE_RATIOS + 1):
+        cand = amax * (0.5 + 0.5 * i / _WEIGHT_MSE_RATIOS) if i < _WEIGHT_MSE_RATIOS else amax
+        err = _unit_sum((quantize(w, q, amax=cand).dequantize(torch.float32) - w.float()) ** 2, q, amax)
+        if best_err is None:
+            best_amax, best_err = cand, err
+        else:
+            better = err < best_err
+            best_amax, best_err = torch.where(better, cand, best_amax), torch.where(better, err, best_err)
+    return best_amax

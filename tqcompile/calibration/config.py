@@ -1,0 +1,248 @@
+"""PTQ/QAT configs: ordered rules that set or disable each module's quantizers.
+
+A `QuantConfig` is a tuple of `QuantRule`s. Every quantizable module starts with all three of its
+quantizers (input, weight, output) disabled; the rules are then applied in order and a later rule
+overrides what an earlier one set. A rule matches a module
+
+- by name: an `fnmatch` glob on the module's *canonical* name, the fully qualified name with the
+  wrapper components removed (DDP's and DataParallel's ``module.``, `torch.compile`'s
+  ``_orig_mod.``), so a config means the same model wrapped or not;
+- by class: `isinstance` (subclasses included). The batch norms form one family: a rule naming
+  `BatchNorm1d/2d/3d` or `SyncBatchNorm` matches all of them, because
+  `nn.SyncBatchNorm.convert_sync_batchnorm` turns one into the other;
+- by both (both must hold); a rule with neither matches every module.
+
+Each quantizer slot of a rule is `None` (leave as earlier rules set it), `False` (disable) or a
+`tq.Quantizer` (enable with it). Configs are frozen values: comparable, hashable, and serialisable
+with `to_dict()` / `QuantConfig.from_dict()` (plain Python types, so a saved quant state loads
+with ``torch.load(..., weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+import importlib
+from typing import Any
+
+from torch import nn
+
+from tqcompile.formats import Format
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
+
+__all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS"]
+
+SLOTS = ("input", "weight", "output")
+STE_MODES = ("clipped", "plain")
+_QUANTIZER_CLASSES = {c.__name__: c for c in (Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer)}
+_ENUMS = {"format": Format, "granularity": Granularity, "scale_rounding": ScaleRounding}
+
+# Classes that stand for one another in a rule: convert_sync_batchnorm turns any of them into a
+# SyncBatchNorm (and a single-process rebuild turns it back), so a rule must not depend on which.
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used: the message names the field, the value and what is allowed."""
+
+
+def _family(cls: type) -> tuple[type, ...]:
+    return (nn.modules.batchnorm._BatchNorm,) if cls in _BATCH_NORMS else (cls,)
+
+
+def _check_slot(field: str, value: object) -> None:
+    if value is None or value is False or isinstance(value, Quantizer):
+        return
+    if isinstance(value, type) and issubclass(value, Quantizer):
+        raise ConfigError(f"QuantRule: {field}={value.__name__} is a class; pass an instance, e.g. {value.__name__}()")
+    raise ConfigError(
+        f"QuantRule: {field}={value!r} is not allowed; allowed: a tq.Quantizer (enable), False (disable) or None (unchanged)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRule:
+    """One rule: which modules (`name` glob and/or `module_types`) and what to set on them.
+
+    Args:
+        name: an `fnmatch` glob on the canonical module name (wrapper prefixes removed), e.g.
+            ``"*lm_head"`` or ``"layers.*.mlp.*"``; None matches any name.
+        module_types: classes the module must be an instance of (one suffices); () matches any.
+        input / weight / output: a `tq.Quantizer` to enable that quantizer, False to disable it,
+            None to leave it as earlier rules set it.
+        must_match: warn (naming the rule) when it matches no module of the model.
+
+    Example:
+        >>> QuantRule(name="*lm_head", input=False, weight=False, output=False)
+    """
+
+    name: str | None = None
+    module_types: tuple[type, ...] = ()
+    input: Quantizer | bool | None = None
+    weight: Quantizer | bool | None = None
+    output: Quantizer | bool | None = None
+    must_match: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name is not None and not isinstance(self.name, str):
+            raise ConfigError(f"QuantRule: name={self.name!r} is not allowed; allowed: a glob string or None")
+        types = self.module_types
+        if not isinstance(types, tuple) or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+            raise ConfigError(
+                f"QuantRule: module_types={types!r} is not allowed; allowed: a tuple of nn.Module subclasses, e.g. (nn.Linear,)"
+            )
+        for f in SLOTS:
+            _check_slot(f, getattr(self, f))
+        if not isinstance(self.must_match, bool):
+            raise ConfigError(f"QuantRule: must_match={self.must_match!r} is not allowed; allowed: True or False")
+
+    @classmethod
+    def disable(cls, name: str | None = None, module_types: tuple[type, ...] = (), *, must_match: bool = True) -> QuantRule:
+        """A rule that disables all three quantizers of the modules it matches."""
+        return cls(name, module_types, False, False, False, must_match)
+
+    def matches(self, canonical_name: str, module: nn.Module) -> bool:
+        """True when this rule applies to `module`, named `canonical_name` (wrapper prefixes removed)."""
+        if self.name is not None and not fnmatch.fnmatchcase(canonical_name, self.name):
+            return False
+        if self.module_types and not any(isinstance(module, _family(t)) for t in self.module_types):
+            return False
+        return True
+
+    def describe(self) -> str:
+        what = [f"name={self.name!r}"] if self.name is not None else []
+        what += [f"module_types=({', '.join(t.__name__ for t in self.module_types)})"] if self.module_types else []
+        return f"QuantRule({', '.join(what) or 'every module'})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module_types": [f"{t.__module__}.{t.__qualname__}" for t in self.module_types],
+            **{f: _slot_to_dict(getattr(self, f)) for f in SLOTS},
+            "must_match": self.must_match,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantRule:
+        if not isinstance(d, dict):
+            raise ConfigError(f"QuantRule.from_dict: expected a dict, got {type(d).__name__}")
+        unknown = set(d) - {"name", "module_types", *SLOTS, "must_match"}
+        if unknown:
+            raise ConfigError(
+                f"QuantRule.from_dict: unknown fields {sorted(unknown)}; allowed: name, module_types, input, weight, output, must_match"
+            )
+        return cls(
+            d.get("name"),
+            tuple(_import_class(p) for p in d.get("module_types", ())),
+            **{f: _slot_from_dict(f, d.get(f)) for f in SLOTS},
+            must_match=d.get("must_match", True),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """An ordered tuple of `QuantRule`s (later ones override earlier ones) and the QAT gradient rule.
+
+    Args:
+        rules: the rules, applied in order.
+        ste: the straight-through estimator fake quantization uses in backward: "clipped" (zero
+            gradient where the input lies beyond the quantizer's range, i.e. saturated) or
+            "plain" (the gradient passes unchanged).
+
+    Example:
+        >>> cfg = tq.configs.int8().with_rules(QuantRule.disable("features.0"))
+    """
+
+    rules: tuple[QuantRule, ...] = ()
+    ste: str = "clipped"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rules, tuple) or not all(isinstance(r, QuantRule) for r in self.rules):
+            raise ConfigError(f"QuantConfig: rules={self.rules!r} is not allowed; allowed: a tuple of QuantRule")
+        if self.ste not in STE_MODES:
+            raise ConfigError(f"QuantConfig: ste={self.ste!r} is not allowed; allowed: {', '.join(map(repr, STE_MODES))}")
+
+    def with_rules(self, *rules: QuantRule) -> QuantConfig:
+        """A new config with `rules` appended (so they override this config's rules)."""
+        return dataclasses.replace(self, rules=self.rules + tuple(rules))
+
+    def resolve(self, canonical_name: str, module: nn.Module) -> dict[str, Quantizer | None]:
+        """The quantizer of each slot for one module (None: disabled)."""
+        out: dict[str, Quantizer | None] = dict.fromkeys(SLOTS)
+        for rule in self.rules:
+            if rule.matches(canonical_name, module):
+                for f in SLOTS:
+                    v = getattr(rule, f)
+                    if v is not None:
+                        out[f] = v or None
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain Python types only (strings, numbers, lists, dicts, None)."""
+        return {"rules": [r.to_dict() for r in self.rules], "ste": self.ste}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"QuantConfig.from_dict: expected a dict, got {type(d).__name__}")
+        unknown = set(d) - {"rules", "ste"}
+        if unknown:
+            raise ConfigError(f"QuantConfig.from_dict: unknown fields {sorted(unknown)}; allowed: rules, ste")
+        return cls(tuple(QuantRule.from_dict(r) for r in d.get("rules", ())), d.get("ste", "clipped"))
+
+
+def quantizer_to_dict(q: Quantizer) -> dict[str, Any]:
+    d: dict[str, Any] = {"type": type(q).__name__}
+    for f in dataclasses.fields(q):
+        v = getattr(q, f.name)
+        d[f.name] = v.name if isinstance(v, enum.Enum) else v
+    return d
+
+
+def quantizer_from_dict(d: dict[str, Any], where: str = "quantizer") -> Quantizer:
+    if not isinstance(d, dict) or "type" not in d:
+        raise ConfigError(f"{where}: expected a dict with a 'type' key, got {d!r}")
+    cls = _QUANTIZER_CLASSES.get(d["type"])
+    if cls is None:
+        raise ConfigError(f"{where}: type={d['type']!r} is not allowed; allowed: {', '.join(_QUANTIZER_CLASSES)}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - fields - {"type"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown {cls.__name__} fields {sorted(unknown)}; allowed: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for k, v in d.items():
+        if k == "type":
+            continue
+        if k in _ENUMS:
+            enum_cls = _ENUMS[k]
+            if v not in enum_cls.__members__:
+                raise ConfigError(f"{where}: {k}={v!r} is not allowed; allowed: {', '.join(enum_cls.__members__)}")
+            v = enum_cls[v]
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def _slot_to_dict(v: Quantizer | bool | None) -> dict[str, Any] | bool | None:
+    return quantizer_to_dict(v) if isinstance(v, Quantizer) else v
+
+
+def _slot_from_dict(field: str, v: Any) -> Quantizer | bool | None:
+    if v is None or v is False:
+        return v
+    return quantizer_from_dict(v, where=f"QuantRule.{field}")
+
+
+def _import_class(path: str) -> type:
+    if not isinstance(path, str) or "." not in path:
+        raise ConfigError(f"QuantRule.from_dict: module_types entry {path!r} is not allowed; allowed: 'package.module.ClassName'")
+    module, _, qualname = path.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"QuantRule.from_dict: cannot import {module!r} for module type {path!r}: {e}") from None
+    # A nested class (qualname with dots) is not supported: the module part would be ambiguous.
+    cls = getattr(obj, qualname, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ConfigError(f"QuantRule.from_dict: {path!r} is not an nn.Module class")
+    return cls

@@ -1,0 +1,294 @@
+"""`tq.quant_state` / `tq.restore`: save a calibrated model's quantization state, rebuild it on a
+freshly built float model, and `tq.summary`, the table of every quantizable module.
+
+The state is keyed by *canonical* module names (wrapper components removed) and records each
+module's *kind* (its family: BatchNorm2d and SyncBatchNorm are both "BatchNorm"), so a state saved
+from a DDP-wrapped SyncBatchNorm model restores into a plain single-process BatchNorm model and
+back. It holds plain Python values and tensors only: ``torch.load(path, weights_only=True)``
+reads it.
+
+A module replaced after calibration by one that copies children but not the class (what
+`nn.SyncBatchNorm.convert_sync_batchnorm` does to a fake-quantized BatchNorm) keeps its
+quantizers; `reattach` gives it its fake-quant forward back (needed only if one of its quantizers
+is enabled; the default configs disable every norm quantizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning
+from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
+from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
+from tqcompile.calibration.modules import (
+    FakeQuantModule,
+    base_class,
+    canonical_modules,
+    convert_module,
+    kind_of,
+    module_device,
+    swap_class,
+    unsupported_reason,
+    weight_view,
+)
+from tqcompile.quantizers import Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
+
+if TYPE_CHECKING:  # only a hint: torch.distributed may be unavailable on some platforms
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["quant_state", "restore", "reattach", "summary", "QuantSummary", "SummaryRow", "STATE_FORMAT"]
+
+STATE_FORMAT = "tqcompile.quant_state/1"
+
+
+def _slots_of(module: nn.Module) -> dict[str, TensorQuantizer] | None:
+    qs = {s: module._modules.get(f"{s}_quantizer") for s in SLOTS}
+    return qs if all(isinstance(q, TensorQuantizer) for q in qs.values()) else None
+
+
+def quantized_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, dict[str, TensorQuantizer]]]:
+    """(canonical name, module, its quantizers) of every fake-quantized module."""
+    for name, module in canonical_modules(model):
+        qs = _slots_of(module)
+        if qs is not None:
+            yield name, module, qs
+
+
+def _record(model: nn.Module) -> CalibrationRecord:
+    for _, m in canonical_modules(model):
+        rec = getattr(m, "tq_calibration", None)
+        if isinstance(rec, CalibrationRecord):
+            return rec
+    raise ValueError(
+        "tq.quant_state: the model is not calibrated; run tq.calibrate(model, config, forward_loop) or tq.restore first"
+    )
+
+
+def _warn_detached(name: str, module: nn.Module, qs: dict[str, TensorQuantizer], what: str) -> None:
+    if not isinstance(module, FakeQuantModule) and any(q.enabled for q in qs.values()):
+        warnings.warn(
+            f"{what}: {name!r} ({type(module).__name__}) was replaced after quantization (e.g. by convert_sync_batchnorm) and its "
+            "enabled quantizers no longer run; call tq.calibration.reattach(model)",
+            CalibrationWarning,
+            stacklevel=3,
+        )
+
+
+def reattach(model: nn.Module) -> nn.Module:
+    """Give modules that hold quantizers but lost their fake-quant class (a module replaced after
+    quantization that kept its children, as `convert_sync_batchnorm` does) their forward back."""
+    for _, module, _ in list(quantized_modules(model)):
+        if not isinstance(module, FakeQuantModule):
+            swap_class(module)
+    return model
+
+
+def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> dict[str, Any]:
+    """The config and every calibrated amax of a fake-quantized model, keyed by canonical module name.
+
+    Plain Python values and tensors only: save it with `torch.save` and read it back with
+    ``torch.load(path, weights_only=True)``; `tq.restore` rebuilds the model from it.
+
+    The amax tensors are the model's buffers themselves (not copies), so
+    `torch.distributed.checkpoint.load` into this dict loads them in place.
+
+    Args:
+        expert_mesh: for expert parallelism, a 1-D DeviceMesh over the expert-parallel group, when
+            each rank's `GroupedLinear` holds its own equal share of the experts (rank r the r-th
+            block). Per-expert amaxes are then DTensors sharded on the expert dim
+            (`DTensor.from_local`, which runs no collective), so `torch.distributed.checkpoint`
+            saves them once and reshards them on load, to any expert-parallel size.
+
+    Example:
+        >>> torch.save(tq.quant_state(model), "quant_state.pt")
+    """
+    rec = _record(model)
+    modules: dict[str, Any] = {}
+    for name, module, qs in quantized_modules(model):
+        _warn_detached(name, module, qs, "tq.quant_state")
+        entry: dict[str, Any] = {"kind": kind_of(module)[0]}
+        for s, q in qs.items():
+            amax = None if q.amax is None else q.amax.detach()
+            if amax is not None and expert_mesh is not None and q.num_experts is not None and amax.dim() > 0:
+                from torch.distributed.tensor import DTensor, Shard
+
+                amax = DTensor.from_local(amax, expert_mesh, [Shard(0)], run_check=False)
+            entry[s] = {"quantizer": None if q.quantizer is None else quantizer_to_dict(q.quantizer), "amax": amax}
+        modules[name] = entry
+    return {
+        "format": STATE_FORMAT,
+        "config": rec.config.to_dict(),
+        "algorithm": rec.algorithm,
+        "percentile": rec.percentile,
+        "modules": modules,
+    }
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"tq.restore: state is not a tq.quant_state dict (format {got!r}; expected {STATE_FORMAT!r})")
+    missing = {"config", "algorithm", "percentile", "modules"} - set(state)
+    if missing:
+        raise ValueError(f"tq.restore: state lacks the keys {sorted(missing)}")
+
+
+def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
+    """Rebuild the fake-quantized structure of `state` on a freshly built float `model`, in place,
+    and load its amaxes; returns `model`. Load the weights afterwards with `model.load_state_dict`.
+
+    Works whichever way each side was built (BatchNorm or SyncBatchNorm, wrapped in DDP or not).
+    A different architecture raises, naming the modules the state has and the model lacks, and the
+    other way round; the model is then left unchanged.
+
+    Example:
+        >>> model = tq.restore(build_model(), torch.load("quant_state.pt", weights_only=True))
+    """
+    _check_state(state)
+    config = QuantConfig.from_dict(state["config"])
+    current: dict[str, nn.Module] = {}
+    for name, module in canonical_modules(model):
+        if isinstance(module, FakeQuantModule) or _slots_of(module) is not None:
+            raise ValueError(f"tq.restore: module {name!r} is already fake-quantized; restore into a freshly built float model")
+        if kind_of(module) is not None and unsupported_reason(module) is None:
+            current[name] = module
+    saved: dict[str, Any] = state["modules"]
+    missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))
+    if missing or extra:
+        raise ValueError(
+            "tq.restore: the model's architecture differs from the saved state's: "
+            f"modules in the state but not in the model: {missing or 'none'}; modules in the model but not in the state: {extra or 'none'}"
+        )
+    plans = []
+    for name, entry in saved.items():
+        module = current[name]
+        kind = kind_of(module)[0]
+        if entry["kind"] != kind:
+            raise ValueError(f"tq.restore: module {name!r} is a {kind} in the model but a {entry['kind']} in the state")
+        qs = {
+            s: None if entry[s]["quantizer"] is None else quantizer_from_dict(entry[s]["quantizer"], f"state[{name!r}].{s}")
+            for s in SLOTS
+        }
+        amaxes = {s: _local(entry[s]["amax"]) for s in SLOTS}
+        for s in SLOTS:
+            _check_amax(name, module, s, qs[s], amaxes[s])
+        plans.append((name, module, qs, amaxes))
+    for name, module, qs, amaxes in plans:  # everything checked: now change the model
+        convert_module(module, name, qs, config.ste)
+        for s, tq_ in module.quantizers().items():
+            a = amaxes[s]
+            tq_.set_amax(None if a is None else a.to(module_device(module)))
+    root = next(m for _, m in canonical_modules(model))
+    root.tq_calibration = CalibrationRecord(config, state["algorithm"], float(state["percentile"]))
+    return model
+
+
+def _local(amax: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a DTensor amax (an expert-parallel state loaded with DCP), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return amax.to_local() if isinstance(amax, DTensor) else amax
+
+
+def _check_amax(name: str, module: nn.Module, slot: str, q: Quantizer | None, amax: torch.Tensor | None) -> None:
+    kind = static_amax_kind(q, slot)
+    if kind is None:
+        if amax is not None:
+            raise ValueError(f"tq.restore: the state has an amax for the {slot} quantizer of {name!r}, whose {q!r} takes none")
+        return
+    if amax is None:
+        raise ValueError(f"tq.restore: the state lacks the amax of the {slot} quantizer of {name!r} ({q!r})")
+    experts = getattr(module, "num_experts", None) if kind_of(module)[0] == "GroupedLinear" else None
+    if experts is not None and slot != "output" and amax.dim() > 0 and amax.shape[0] != experts:
+        raise ValueError(
+            f"tq.restore: the {slot} amax of {name!r} holds {amax.shape[0]} experts; the model's module has {experts} "
+            "(an expert-parallel state: load it with torch.distributed.checkpoint into tq.calibration.prepare(model, config))"
+        )
+    if slot == "weight" and kind == "unit":
+        want = q.scale_shape(weight_view(module, module.weight).shape)
+        if tuple(amax.shape) != tuple(want):
+            raise ValueError(
+                f"tq.restore: the weight amax of {name!r} has shape {tuple(amax.shape)}; the model's weight needs {tuple(want)}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------
+def describe_quantizer(q: Quantizer) -> str:
+    """A short name, e.g. 'INT8 per-channel', 'E4M3 tensor', 'MXFP8 E4M3', 'NVFP4'."""
+    if isinstance(q, MXQuantizer):
+        return f"MX {q.format.name}"
+    if isinstance(q, NVFP4Quantizer):
+        return "NVFP4" + (" 2d" if q.block_2d else "") + (" rht" if q.hadamard else "")
+    gran, _, block = q.layout()
+    how = {
+        Granularity.TENSORWISE: "tensor",
+        Granularity.ROWWISE: "per-channel",
+        Granularity.BLOCKWISE_1D: f"block{block}",
+        Granularity.BLOCKWISE_2D: f"block{block}x{block}",
+    }[gran]
+    return f"{q.format.name if isinstance(q, IntQuantizer) else q.format.name} {how}"
+
+
+def _describe(q: TensorQuantizer) -> str:
+    if not q.enabled:
+        return "off"
+    text = describe_quantizer(q.quantizer)
+    if q.amax is None:
+        return f"{text} (dynamic)"
+    a = q.amax.float()
+    if a.numel() == 1:
+        return f"{text} amax={float(a):.4g}"
+    return f"{text} amax{tuple(a.shape)}∈[{float(a.min()):.3g}, {float(a.max()):.3g}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+    name: str
+    module_class: str
+    kind: str
+    input: str
+    weight: str
+    output: str
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSummary:
+    """`tq.summary`'s result: `rows` for programs, `str()` a table for people."""
+
+    rows: tuple[SummaryRow, ...]
+
+    def __str__(self) -> str:
+        head = ("module", "class", "kind", "input", "weight", "output")
+        cells = [head] + [(r.name or "<root>", r.module_class, r.kind, r.input, r.weight, r.output) for r in self.rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        enabled = sum(1 for r in self.rows for s in (r.input, r.weight, r.output) if s != "off")
+        lines.append(f"{len(self.rows)} quantizable modules, {enabled} quantizers enabled")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def summary(model: nn.Module) -> QuantSummary:
+    """A table of every quantizable module of a calibrated model: canonical name, class, kind, and
+    each quantizer (format and granularity, its static amax's shape and range, or "off").
+
+    Example:
+        >>> print(tq.summary(model))
+    """
+    rows = []
+    for name, module, qs in quantized_modules(model):
+        _warn_detached(name, module, qs, "tq.summary")
+        rows.append(SummaryRow(name, base_class(module).__name__, kind_of(module)[0], *(_describe(qs[s]) for s in SLOTS)))
+    if not rows:
+        raise ValueError("tq.summary: the model has no fake-quantized module; run tq.calibrate or tq.restore first")
+    return QuantSummary(tuple(rows))

@@ -1,0 +1,89 @@
+"""Named PTQ/QAT configs: `tq.configs.int8()`, `int4_weight_only()`, `fp8()`, `mxfp8()`, `nvfp4()`.
+
+Each is a `QuantConfig` whose first rule enables quantizers on the GEMM layers (Linear,
+Conv1d/2d/3d, `tq.nn.GroupedLinear`) and whose later rules (`default_disabled()`) turn off what
+users expect left in high precision:
+
+- norms: BatchNorm1d/2d/3d, SyncBatchNorm, LayerNorm, RMSNorm, GroupNorm (by class, subclasses
+  included);
+- embeddings (`nn.Embedding`);
+- the output head: modules whose canonical name is, or ends in, ``lm_head``, ``head``,
+  ``output`` or ``output_layer`` (e.g. ``lm_head``, ``model.head``);
+- MoE routers: names that are, or end in, ``router`` or ``gate`` (e.g. ``block_sparse_moe.gate``;
+  not ``mlp.gate_proj``).
+
+Those default rules carry ``must_match=False``: a model without a head or router gets no warning.
+Extend a preset with `QuantConfig.with_rules(...)`; a later rule overrides.
+
+Example:
+    >>> cfg = tq.configs.int8().with_rules(tq.calibration.QuantRule.disable("features.0"))
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tqcompile.calibration.config import QuantConfig, QuantRule
+from tqcompile.formats import Format
+from tqcompile.nn.grouped import GroupedLinear
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer
+
+__all__ = ["int8", "int4_weight_only", "fp8", "mxfp8", "nvfp4", "default_disabled", "GEMM_LAYERS"]
+
+GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear)
+NORMS: tuple[type, ...] = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.GroupNorm,
+)
+HEAD_NAMES = ("lm_head", "head", "output", "output_layer")
+ROUTER_NAMES = ("router", "gate")
+
+
+def default_disabled() -> tuple[QuantRule, ...]:
+    """The rules every preset ends with: norms, embeddings, the output head and MoE routers off."""
+    rules = [
+        QuantRule.disable(module_types=NORMS, must_match=False),
+        QuantRule.disable(module_types=(nn.Embedding,), must_match=False),
+    ]
+    for n in HEAD_NAMES + ROUTER_NAMES:
+        rules += [QuantRule.disable(n, must_match=False), QuantRule.disable(f"*.{n}", must_match=False)]
+    return tuple(rules)
+
+
+def _preset(input_q, weight_q, ste: str) -> QuantConfig:
+    return QuantConfig(
+        (QuantRule(module_types=GEMM_LAYERS, input=input_q, weight=weight_q, must_match=False), *default_disabled()), ste
+    )
+
+
+def int8(*, ste: str = "clipped") -> QuantConfig:
+    """W8A8: INT8 weights per output channel, INT8 activations per tensor (static, calibrated)."""
+    return _preset(IntQuantizer(Format.INT8), IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
+
+
+def int4_weight_only(block_size: int = 128, *, ste: str = "clipped") -> QuantConfig:
+    """INT4 weights in blocks of `block_size` along the input dim; activations stay high precision.
+    Layers whose input dim is not a multiple of `block_size` are left in high precision (reported)."""
+    return _preset(False, IntQuantizer(Format.INT4, Granularity.BLOCKWISE_1D, block_size=block_size), ste)
+
+
+def fp8(*, ste: str = "clipped") -> QuantConfig:
+    """FP8 E4M3 weights and activations, one static scale per tensor."""
+    return _preset(Float8Quantizer(Format.E4M3), Float8Quantizer(Format.E4M3), ste)
+
+
+def mxfp8(*, ste: str = "clipped") -> QuantConfig:
+    """MXFP8 (E4M3 elements, a power-of-two scale per 32-block) weights and activations: no static
+    amax, every block scale comes from its block. Input dims must be multiples of 32."""
+    return _preset(MXQuantizer(Format.E4M3), MXQuantizer(Format.E4M3), ste)
+
+
+def nvfp4(*, ste: str = "clipped") -> QuantConfig:
+    """NVFP4 weights and activations: E2M1 in 16-blocks with E4M3 block scales under a static
+    (calibrated) fp32 global amax. Input dims must be multiples of 16."""
+    return _preset(NVFP4Quantizer(), NVFP4Quantizer(), ste)

@@ -1,0 +1,311 @@
+"""`tq.nn.GroupedLinear`: MoE experts, one quantized linear per expert, each with its own scales.
+
+Two ways in:
+
+- dense (E, C, in) tokens (a fixed capacity per expert, as expert-choice routing gives): one
+  `tq.nn.linear` per expert, E static calls;
+- (T, in) tokens sorted by expert with `m_splits`, the per-expert token counts, as an int64
+  tensor (what token-choice routing computes on the device each step) or a list of ints. The
+  counts become the segment ends (`torch._grouped_mm`'s `offs`) and every GEMM is one grouped op
+  (`tqcompile.ops.grouped_gemm`) whose output shape depends on T only, so a compiled model does
+  not recompile when the routing changes. (A list is a Python constant to torch.compile: each new
+  list recompiles. Pass a tensor.)
+
+The grouped path quantizes each expert's tokens with their own scales (per-expert amaxes by a
+scatter_reduce over token -> expert ids, all-reduced over `amax_group` as an (E,) vector), each
+expert's weight with its own, and pads each expert's tokens to the block of the wgrad operands
+inside the op (see `tqcompile.ops.grouped_gemm` for the layout and its cost), so uneven counts
+work with every recipe. Its results equal the per-expert loop's bit for bit wherever the loop can
+run (stochastic rounding aside: one random stream per layer instead of one per expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tqcompile.api import SUPPORTED_DTYPES
+from tqcompile.distributed.groups import all_reduce_amax
+from tqcompile.nn.functional import linear
+from tqcompile.nn.linear import _check_recipe, _Quantized
+from tqcompile.ops import grouped_gemm as gops
+from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
+from tqcompile.recipes import Recipe
+
+__all__ = ["GroupedLinear", "grouped_linear", "grouped_unsupported_reason"]
+
+_TOKEN_OPERANDS = ("fprop_input", "dgrad_grad", "wgrad_grad", "wgrad_input")
+
+
+def grouped_unsupported_reason(recipe: Recipe, in_features: int, out_features: int) -> str | None:
+    """Why `recipe` cannot serve a GroupedLinear of these sizes (None if it can)."""
+    if recipe.amax_history_len:
+        return (
+            "it uses delayed scaling, whose one amax history per layer per-expert scales cannot use; use a current-scaling recipe"
+        )
+    for field in _TOKEN_OPERANDS:
+        q = getattr(recipe, field)
+        if q is None:
+            continue
+        gran, axis, _ = q.layout()
+        if gran is Granularity.BLOCKWISE_2D:
+            return f"{field}={q!r}: 2-D blocks on a token operand would mix tokens of different experts; use 1-D blocks"
+        if gran is Granularity.ROWWISE and axis not in (-1, 1):
+            return f"{field}={q!r}: a token operand's rowwise scales must run along the reduction dim (axis=-1)"
+    return recipe.unsupported_reason(in_features, out_features)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grouped:
+    """A grouped quantized operand (see `tqcompile.ops.grouped_gemm` for the layouts)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    amax: torch.Tensor | None  # per-expert (group-reduced) amax, where the quantizer uses one
+    quantizer: Quantizer
+
+    def args(self) -> tuple:
+        """(payload, scale_inv, amax, quantizer) for `grouped_gemm_tn`: NVFP4 dequantizes with
+        the amax; FP8/INT tensorwise scales are already per expert."""
+        return self.data, self.scale_inv, self.amax if isinstance(self.quantizer, NVFP4Quantizer) else None, self.quantizer
+
+
+def _transformed(q: Quantizer) -> bool:
+    return getattr(q, "hadamard", False)
+
+
+def _quantize_grouped(
+    x: torch.Tensor, q: Quantizer, ends: torch.Tensor, *, columnwise: bool, amax_group: str | None, like: _Grouped | None = None
+) -> _Grouped:
+    """Quantize grouped tokens; `like`, an operand quantized from the same `x`, lends its
+    per-expert amax when neither quantizer transforms (the amax is then the same)."""
+    amax = None
+    if q.uses_tensor_amax():
+        if like is not None and like.amax is not None and not (_transformed(q) or _transformed(like.quantizer)):
+            amax = like.amax
+        else:
+            amax = gops.grouped_amax(x, q, ends, columnwise)
+            if amax_group is not None:
+                amax = all_reduce_amax(amax, amax_group)
+    seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device) if q.needs_seed() else None
+    data, scale_inv = gops.grouped_quantize(x, q, ends, amax, seed, columnwise)
+    return _Grouped(data, scale_inv, amax, q)
+
+
+def _weight_ends(num_experts: int, rows: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, num_experts + 1, device=device, dtype=torch.int64) * rows
+
+
+def _expert_of_token(ends: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    pos = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, pos, right=True).clamp_(max=ends.numel() - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupedCtx:
+    recipe: Recipe
+    amax_group: str | None
+    input_dtype: torch.dtype
+    wgrad_quantizer: Quantizer | None  # the saved input's quantizer (None: saved in high precision)
+    has_bias: bool
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ends, recipe: Recipe, amax_group, backward: bool):
+        r = recipe
+        num_experts, n, k = weight.shape
+        w_ends = _weight_ends(num_experts, n, weight.device)
+        qx = _quantize_grouped(x, r.fprop_input, ends, columnwise=False, amax_group=amax_group)
+        qw = _quantize_grouped(weight.reshape(num_experts * n, k), r.fprop_weight, w_ends, columnwise=False, amax_group=None)
+        y = gops.grouped_gemm_tn(*qx.args(), *qw.args(), ends, False, x.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)[_expert_of_token(ends, x.shape[0])]
+
+        saved = []
+        if backward and ctx.needs_input_grad[1] and r.wgrad_input is not None:
+            qxt = _quantize_grouped(x, r.wgrad_input, ends, columnwise=True, amax_group=amax_group, like=qx)
+            saved = list(qxt.args()[:3])
+        elif backward and ctx.needs_input_grad[1]:
+            saved = [x, None, None]
+        else:
+            saved = [None, None, None]
+        # The weight is a parameter: keep it (no extra memory) and quantize its columnwise usage in
+        # backward, as it would be in forward (weights are never stochastically rounded).
+        ctx.save_for_backward(weight, ends, *saved)
+        ctx.args = _GroupedCtx(r, amax_group, x.dtype, r.wgrad_input, bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        a: _GroupedCtx = ctx.args
+        r = a.recipe
+        weight, ends, saved_x, saved_scale_inv, saved_amax = ctx.saved_tensors
+        num_experts, n, k = weight.shape
+        dx = dw = db = qdy = None
+        if ctx.needs_input_grad[0]:
+            qdy = _quantize_grouped(dy, r.dgrad_grad, ends, columnwise=False, amax_group=a.amax_group)
+            w_t = weight.transpose(1, 2).reshape(num_experts * k, n)
+            qwt = _quantize_grouped(
+                w_t, r.dgrad_weight, _weight_ends(num_experts, k, weight.device), columnwise=False, amax_group=None
+            )
+            dx = gops.grouped_gemm_tn(*qdy.args(), *qwt.args(), ends, False, a.input_dtype)
+        if ctx.needs_input_grad[1]:
+            if a.wgrad_quantizer is None:
+                dw = gops.grouped_mm_wgrad(dy, saved_x, ends, weight.dtype)
+            else:
+                qdyt = _quantize_grouped(dy, r.wgrad_grad, ends, columnwise=True, amax_group=a.amax_group, like=qdy)
+                dw = gops.grouped_gemm_tn(
+                    *qdyt.args(), saved_x, saved_scale_inv, saved_amax, a.wgrad_quantizer, ends, True, weight.dtype
+                )
+        if a.has_bias and ctx.needs_input_grad[2]:
+            ids = _expert_of_token(ends, dy.shape[0])
+            db = dy.new_zeros(num_experts, n, dtype=torch.float32).index_add_(0, ids, dy.float()).to(dy.dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def _ends_from(m_splits, num_experts: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """Validate `m_splits` and return the segment ends (int64, on `device`)."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"GroupedLinear: m_splits tensor has dtype {m_splits.dtype}; allowed: torch.int64 (or torch.int32) per-expert token counts"
+            )
+        if tuple(m_splits.shape) != (num_experts,):
+            raise ValueError(
+                f"GroupedLinear: m_splits tensor has shape {tuple(m_splits.shape)}; expected ({num_experts},), one count per expert"
+            )
+        if m_splits.device != device:
+            raise ValueError(f"GroupedLinear: m_splits is on {m_splits.device} but x is on {device}; put them on the same device")
+        if m_splits.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Free on a CPU tensor in eager mode; compiled, the op kernels check the same at run time.
+            if bool((m_splits < 0).any()) or int(m_splits.sum()) != num_tokens:
+                raise ValueError(
+                    f"GroupedLinear: m_splits={m_splits.tolist()} must be non-negative counts summing to x.shape[0]={num_tokens}"
+                )
+        return torch.cumsum(m_splits.to(torch.int64), 0)
+    if not isinstance(m_splits, Sequence) or not all(isinstance(m, int) and not isinstance(m, bool) for m in m_splits):
+        raise TypeError(
+            f"GroupedLinear: m_splits must be an int64 tensor or a list of ints, got {type(m_splits).__name__} {m_splits!r}"
+        )
+    if len(m_splits) != num_experts or sum(m_splits) != num_tokens or any(m < 0 for m in m_splits):
+        raise ValueError(
+            f"GroupedLinear: m_splits={list(m_splits)} must have {num_experts} entries summing to x.shape[0]={num_tokens}"
+        )
+    return torch.tensor(m_splits, dtype=torch.int64, device=device).cumsum(0)
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    m_splits: torch.Tensor | Sequence[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe,
+    *,
+    amax_group: str | None = None,
+) -> torch.Tensor:
+    """Per expert e, ``y_e = x_e @ weight[e].T + bias[e]`` for the (T, in) tokens `x` sorted by
+    expert, ``m_splits[e]`` of them for expert e, every GEMM operand quantized per expert as
+    `recipe` says (the grouped path of `tq.nn.GroupedLinear`).
+
+    Args:
+        x: (T, in_features) tokens, float32/bfloat16/float16, expert 0's first.
+        m_splits: per-expert token counts: an int64 tensor of shape (E,) on x's device (no
+            recompile when it changes) or a list of E ints.
+        weight: (E, out_features, in_features); bias: (E, out_features) or None.
+        amax_group: name of the group whose ranks share activation and gradient amaxes.
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"grouped_linear: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"grouped_linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16"
+        )
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(
+            f"grouped_linear: expected x of shape (tokens, {weight.shape[-1]}) and weight (experts, out, in), "
+            f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    reason = grouped_unsupported_reason(recipe, weight.shape[2], weight.shape[1])
+    if reason:
+        raise ValueError(f"grouped_linear: recipe {recipe.name!r} cannot serve this call: {reason}")
+    ends = _ends_from(m_splits, weight.shape[0], x.shape[0], x.device)
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _GroupedLinearFn.apply(x, weight, bias, ends, recipe, amax_group, backward)
+
+
+class GroupedLinear(_Quantized, nn.Module):
+    """MoE experts: one (out_features, in_features) weight per expert, each with its own scales.
+
+    `forward(x, m_splits=None)` takes tokens grouped by expert, either as a dense
+    (num_experts, tokens, in) tensor (a fixed capacity: one quantized linear per expert), or as
+    (total_tokens, in) sorted by expert with `m_splits`, the per-expert token counts: an int64
+    tensor (a compiled model then never recompiles for a new routing) or a list of ints. With
+    `m_splits` every GEMM is one grouped op, and uneven counts work with every recipe (each
+    expert's tokens are padded to the wgrad block inside).
+
+    Example:
+        >>> experts = tq.nn.GroupedLinear(4, 64, 128, recipe=tq.recipes.fp8_rowwise())
+        >>> y = experts(torch.randn(4, 32, 64))                                  # (4, 32, 128)
+        >>> y = experts(torch.randn(50, 64), torch.tensor([20, 0, 25, 5]))       # (50, 128)
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Recipe,
+        amax_group=None,
+    ):
+        super().__init__()
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"GroupedLinear: num_experts={num_experts!r}; allowed: an int >= 1")
+        _check_recipe(recipe, in_features, out_features, "tq.nn.GroupedLinear")
+        reason = grouped_unsupported_reason(recipe, in_features, out_features)
+        if reason:
+            raise ValueError(
+                f"tq.nn.GroupedLinear: recipe {recipe.name!r} cannot serve {num_experts} experts {in_features} -> {out_features}: {reason}"
+            )
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+        self._init_quantized(recipe, amax_group)
+
+    def reset_parameters(self) -> None:
+        for e in range(self.num_experts):
+            nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -1 / math.sqrt(self.in_features), 1 / math.sqrt(self.in_features))
+
+    def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+        if m_splits is not None:
+            if x.dim() != 2 or x.shape[1] != self.in_features:
+                raise ValueError(
+                    f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {tuple(x.shape)}"
+                )
+            return grouped_linear(x, m_splits, self.weight, self.bias, self.recipe, amax_group=self.amax_group_name)
+        if x.dim() != 3 or x.shape[0] != self.num_experts:
+            raise ValueError(
+                f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, got {tuple(x.shape)}"
+            )
+        # One quantized linear per expert: every expert's weight and tokens get their own scales.
+        outs = [
+            linear(
+                chunk, self.weight[e], None if self.bias is None else self.bias[e], self.recipe, amax_group=self.amax_group_name
+            )
+            for e, chunk in enumerate(x.unbind(0))
+        ]
+        return torch.stack(outs)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}"

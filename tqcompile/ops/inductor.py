@@ -1,0 +1,86 @@
+"""A way for inductor through the `tqcompile` custom ops, so it can fuse the quantize path.
+
+The custom ops stay the traced interface: Dynamo, AOTAutograd with `aot_eager`, `opcheck` and the
+graph goldens see `tqcompile::amax`, `tqcompile::quantize`, `tqcompile::dequantize` and
+`tqcompile::gemm_tn` as single opaque nodes with fake kernels. Inductor alone is handed the
+reference kernels of amax, quantize and dequantize as decompositions: the plain-torch code that
+defines the numerics, traced into aten ops. Inductor then fuses the amax reduction, the scale, the
+multiply, the clamp and the cast with the producer of `x` and with each other (and a dequantize
+with its consumer), as it does torchao's plain-aten casts, instead of running opaque kernels that
+each read the whole tensor. `gemm_tn` stays opaque: on CPU it picks `_scaled_mm` or the emulation
+by reading the scales (an overflow check, see `tqcompile.ops.gemm`), which cannot be traced, and
+the matmul is an external kernel for inductor either way.
+
+The numerics cannot drift from the eager kernels: a decomposition *is* the reference kernel.
+
+Why a private API: inductor's decomposition table (`torch._inductor.decomposition.decompositions`,
+what `select_decomp_table()` returns) is the only place inductor takes decompositions from; there
+is no public registration for a custom op's inductor-only decomposition. Checked on torch 2.11 and
+2.13. The registration runs when a `tqcompile` op is first traced (from its fake kernel), because
+importing inductor costs ~1.7 s that eager and CPU-only users should not pay; by the time
+anything is traced, Dynamo has imported it already (measured: 0 s extra after `torch._dynamo`).
+Only the CPU path is decomposed: on CUDA the Triton kernels (registered per device) are faster than
+what inductor generates from the reference, and stay opaque.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tqcompile.kernels import reference
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer
+
+__all__ = ["register_inductor_decompositions"]
+
+
+def _on_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
+def _fusable(q) -> bool:
+    """Quantizers whose reference kernel inductor compiles (torch 2.13, CPU). The others stay opaque:
+    measured, inductor's CPU backend has no C++ type for float8_e8m0fnu (MX scales: "missing from
+    DTYPE_TO_CPP"), and its loop tiling asserts on the 1-D block reshapes of BLOCKWISE_1D FP8 and
+    1x16 NVFP4 when a graph quantizes a tensor and its transpose ("extra_indexing_ranges")."""
+    gran = q.layout()[0]
+    return isinstance(q, (Float8Quantizer, IntQuantizer)) and gran in (Granularity.TENSORWISE, Granularity.ROWWISE)
+
+
+def _amax(x, quantizer):
+    if not (_on_cpu(x) and _fusable(quantizer)):
+        return NotImplemented
+    return reference.tensor_amax(x, quantizer)
+
+
+def _quantize(x, quantizer, amax, seed):
+    if not (_on_cpu(x) and _fusable(quantizer)):
+        return NotImplemented
+    data, scale_inv = reference.quantize(x, quantizer, amax, seed)
+    return data, scale_inv
+
+
+def _dequantize(data, scale_inv, amax, quantizer, dtype):
+    if not (_on_cpu(data) and _fusable(quantizer)):
+        return NotImplemented
+    return reference.dequantize(data, scale_inv, amax, quantizer, dtype)
+
+
+@functools.cache
+def register_inductor_decompositions() -> None:
+    """Give inductor the reference kernels of the `tqcompile` ops as decompositions (idempotent)."""
+    from torch._inductor.decomposition import decompositions
+    from torch._inductor.lowering import make_fallback
+
+    ops = torch.ops.tqcompile
+    for op, fn in (
+        (ops.amax.default, _amax),
+        (ops.quantize.default, _quantize),
+        (ops.dequantize.default, _dequantize),
+    ):
+        decompositions.setdefault(op, fn)
+        # Where a decomposition declines (NotImplemented: not fusable, or not CPU) the op stays in the
+        # graph and inductor calls its kernel, as for any custom op; it must be told that explicitly
+        # once the op has a decomposition.
+        make_fallback(op, override_decomp=True)
