@@ -1,5 +1,24 @@
-"""Distributed pieces: amax reduction groups (more arrives with the FSDP2 and TP issues)."""
+"""Distributed pieces: amax reduction groups, tensor/sequence-parallel styles (more arrives with the FSDP2 issue)."""
 
 from tqcompile.distributed.groups import all_reduce_amax, group_name_of, resolve_group
 
-__all__ = ["all_reduce_amax", "group_name_of", "resolve_group"]
+_TENSOR_PARALLEL = (
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "QuantizedSequenceParallelInput",
+    "SequenceGatheredInput",
+)
+
+__all__ = ["all_reduce_amax", "group_name_of", "resolve_group", *_TENSOR_PARALLEL]
+
+
+def __getattr__(name: str):
+    # Imported on first use: tensor_parallel needs tqcompile.api and tqcompile.nn, which import
+    # this package (for groups) while tqcompile itself is still importing.
+    if name in _TENSOR_PARALLEL:
+        from tqcompile.distributed import tensor_parallel
+
+        return getattr(tensor_parallel, name)
+    raise AttributeError(f"module 'tqcompile.distributed' has no attribute {name!r}")

@@ -30,7 +30,10 @@ def _amax_fake(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
 def quantize(
     x: torch.Tensor, quantizer: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, scale_inv) of `x`; `amax` is the (group-reduced) tensor amax where the quantizer uses one."""
+    """(payload, scale_inv) of `x`; `amax` is the (group-reduced) tensor amax where the quantizer uses one.
+
+    For a ROWWISE Float8/Int quantizer, `amax` may instead hold the per-row amaxes (in the scale's
+    shape): tensor parallelism passes the amaxes of rows split over ranks, reduced over the group."""
     return reference.quantize(x, quantizer, amax, seed)
 
 
