@@ -95,7 +95,7 @@ def train_sharded(
     counter = CompileCounter(cfg.backend) if cfg.backend is not None else CompileCounter("eager")
     try:
         parallelize(model, mesh, backend=counter if cfg.backend is not None else None)
-    except NotImplementedError as e:  # TP of a converted model without tqcompile's TP styles
+    except ValueError as e:  # a recipe this layout cannot serve (e.g. a shard that would cut a scaling block)
         result.error = str(e)
         return result
     # foreach=False: the 2-D layout mixes parameters on the dp mesh and on the dp x tp mesh.

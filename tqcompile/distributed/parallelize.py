@@ -8,11 +8,12 @@ The order is the one FSDP2 and torch.compile need (torchtitan's):
 3. `fully_shard` of each block, then of the root, over the "dp" dimension, gathering in bf16
    (`MixedPrecisionPolicy(param_dtype=bfloat16)`): FSDP's hooks run between the compiled blocks.
 
-Which TP styles: for a converted model tqcompile's (`tq.distributed.ColwiseParallel`, ...) when
-this install has them; torch's own serve only high-precision layers (torch's DTensor has no
-sharding strategy for the `tqcompile` ops), so without tqcompile's TP of a converted model is
-refused with a clear error. A high-precision model (the bf16 baseline) always uses torch's. Which FSDP gather: stock `fully_shard`; converted layers gather quantized
-wherever `tq.distributed` provides the weight wrapper (no call is needed here for that).
+Which TP plan: a converted model gets `tqcompile.models.parallel.parallelize_gpt`, tqcompile's TP
+styles (torch's own fail on converted layers: DTensor has no sharding strategy for the
+`tqcompile` ops); the high-precision bf16 baseline gets the same layout with torch's styles (the
+fused q/k/v split of tqcompile's `ColwiseParallel` serves converted layers only). Which FSDP
+gather: stock `fully_shard`; converted layers gather quantized wherever `tq.distributed` provides
+the weight wrapper (no call is needed here for that).
 """
 
 from __future__ import annotations
@@ -27,27 +28,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import parallel as torch_tp
 
 from tqcompile.models.gpt import GPT
+from tqcompile.models.parallel import parallelize_gpt
 from tqcompile.nn.linear import _Quantized
 
-__all__ = ["parallelize", "tp_styles_serve_quantized", "mesh_dims"]
-
-
-def tp_styles_serve_quantized() -> bool:
-    """True when `tq.distributed` has its own TP styles (which serve converted layers).
-
-    A temporary seam: those styles are being built beside this module; until they land, TP runs
-    with torch's styles, over high-precision layers only."""
-    import tqcompile.distributed as tqd
-
-    return all(hasattr(tqd, n) for n in ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput"))
-
-
-def _styles() -> Any:
-    if tp_styles_serve_quantized():
-        import tqcompile.distributed as tqd
-
-        return tqd
-    return torch_tp
+__all__ = ["parallelize", "mesh_dims"]
 
 
 def mesh_dims(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
@@ -81,41 +65,38 @@ def _apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
         )
     if cfg.n_head % tp or cfg.seq_len % tp:
         raise ValueError(f"parallelize: TP degree {tp} must divide n_head={cfg.n_head} and seq_len={cfg.seq_len}")
-    quantized = [name for name, m in model.named_modules() if isinstance(m, _Quantized)]
-    # torch's styles for a high-precision model (tqcompile's fused q/k/v split serves converted layers only)
-    s = _styles() if quantized else torch_tp
-    if quantized and s is torch_tp:
-        raise NotImplementedError(
-            f"tensor parallelism of a converted model needs tqcompile's TP styles (tq.distributed.ColwiseParallel, ...), "
-            f"which this install lacks: torch's own styles fail on converted layers (no DTensor sharding strategy for the "
-            f"tqcompile ops; first converted layer: {quantized[0]}). Run TP with the bf16 baseline only, or FSDP (--tp 1)."
-        )
-    if s is torch_tp:
-        # torch's ColwiseParallel gives each rank a contiguous slice of the fused q/k/v weight's rows;
-        # reorder them so that slice is [q; k; v] of this rank's heads (a permutation of output
-        # features, exact; the global qkv weight of this layout is stored in that order).
-        qkv_cols = lambda: s.ColwiseParallel()  # noqa: E731
-        for block in model.blocks:
-            w = block.attn.qkv.weight
-            with torch.no_grad():
-                w.copy_(w.view(3, tp, -1, w.shape[1]).transpose(0, 1).reshape(w.shape))
-    else:
-        qkv_cols = lambda: s.ColwiseParallel(input_layouts=Shard(1), fused_chunks=3)  # noqa: E731
-    seq_in = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
+    if any(isinstance(m, _Quantized) for m in model.modules()):
+        parallelize_gpt(model, tp_mesh)  # tqcompile's styles: activations gathered quantized
+        return
+    # The bf16 baseline, with torch's styles. Its ColwiseParallel gives each rank a contiguous
+    # slice of the fused q/k/v weight's rows: reorder them so that slice is [q; k; v] of this
+    # rank's heads (a permutation of output features: exact; the global qkv weight of this
+    # layout is stored in that order). Torch's styles gather the sequence in high precision
+    # before the attention and the MLP.
     for block in model.blocks:
-        plan: dict[str, Any] = {"attn_norm": s.SequenceParallel(), "mlp_norm": s.SequenceParallel()}
-        if s is torch_tp:  # torch's styles gather the sequence in high precision before the module
-            plan |= {"attn": s.PrepareModuleInput(**seq_in), "mlp": s.PrepareModuleInput(**seq_in)}
-            plan |= {"attn.qkv": qkv_cols(), "mlp.fc": s.ColwiseParallel()}
-        else:  # tqcompile's gather the sequence themselves, quantized
-            plan |= {"attn.qkv": qkv_cols(), "mlp.fc": s.ColwiseParallel(input_layouts=Shard(1))}
-        plan |= {"attn.proj": s.RowwiseParallel(output_layouts=Shard(1)), "mlp.proj": s.RowwiseParallel(output_layouts=Shard(1))}
+        w = block.attn.qkv.weight
+        with torch.no_grad():
+            w.copy_(w.view(3, tp, -1, w.shape[1]).transpose(0, 1).reshape(w.shape))
+    seq_in = torch_tp.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    for block in model.blocks:
+        plan = {
+            "attn_norm": torch_tp.SequenceParallel(),
+            "attn": seq_in,
+            "attn.qkv": torch_tp.ColwiseParallel(),
+            "attn.proj": torch_tp.RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": torch_tp.SequenceParallel(),
+            "mlp": seq_in,
+            "mlp.fc": torch_tp.ColwiseParallel(),
+            "mlp.proj": torch_tp.RowwiseParallel(output_layouts=Shard(1)),
+        }
         torch_tp.parallelize_module(block, tp_mesh, plan)
         block.attn.n_head = cfg.n_head // tp  # each rank runs its own heads
     top = {
-        "blocks.0": s.PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
-        "norm": s.SequenceParallel(),
-        "lm_head": s.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "blocks.0": torch_tp.PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        ),
+        "norm": torch_tp.SequenceParallel(),
+        "lm_head": torch_tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
     torch_tp.parallelize_module(model, tp_mesh, top)
 
