@@ -13,8 +13,8 @@ runs the one layout its processes make (NCCL on CUDA):
     python benchmarks/bench_distributed.py --recipes all --steps 12
     torchrun --nproc-per-node 4 benchmarks/bench_distributed.py --tp 2 --device cuda
 
-A recipe a layout cannot serve (TP of a converted model before tqcompile's TP styles exist) is a
-row that says why. CPU step times measure gloo and the CPU emulation of the formats, not what the
+A recipe a layout cannot serve (e.g. a shard that would cut a scaling block) is a row that says
+why. CPU step times measure gloo and the CPU emulation of the formats, not what the
 hardware formats gain.
 """
 

@@ -101,6 +101,9 @@ def train_sharded(
     # foreach=False: the 2-D layout mixes parameters on the dp mesh and on the dp x tp mesh.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, cfg.steps))
+    # Where FSDP2 gathers quantized, its amaxes for the next step in one batched all-reduce
+    # (optional and bit-identical). A temporary seam: `precompute_scales` arrives with the FSDP2
+    # quantized all-gather; until then there is nothing to precompute.
     precompute = getattr(tqd, "precompute_scales", None) if recipe is not None and fsdp > 1 else None
     rows = slice(dp_rank * cfg.batch_size // fsdp, (dp_rank + 1) * cfg.batch_size // fsdp)
     world = dist.get_world_size()
