@@ -2,7 +2,7 @@
 
 import torch as _torch
 
-from tqcompile import calibration, configs, nn, optim, recipes  # noqa: E402  (these import the names above)
+from tqcompile import calibration, configs, distributed, nn, optim, recipes  # noqa: E402  (these import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.calibration import calibrate, quant_state, restore, summary
 from tqcompile.formats import Format
@@ -44,6 +44,7 @@ __all__ = [
     "summary",
     "quant_state",
     "restore",
+    "distributed",
 ]
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.

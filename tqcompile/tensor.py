@@ -300,3 +300,24 @@ def _copy(func, args, kwargs):
     for name, t in dst._inner().items():
         t.copy_(getattr(src, name))
     return dst
+
+
+@_implements(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    # FSDP2 views the unsharded parameter its all-gather hook returns with as_strided(self, size,
+    # contiguous strides, 0): the identity, the only as_strided a payload can serve.
+    self, size, stride = args[0], tuple(args[1]), tuple(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    contiguous = torch.empty(self.shape, device="meta").stride()
+    if size != tuple(self.shape) or stride != contiguous or offset not in (0, None):
+        raise NotImplementedError(
+            f"QuantizedTensor supports as_strided only as the identity (size {tuple(self.shape)}, strides {contiguous}, "
+            f"offset 0); got size {size}, strides {stride}, offset {offset}"
+        )
+    return self._map(lambda t: t.view(t.shape))
+
+
+@_implements(aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    # Asked by torch.distributed.checkpoint before it copies a tensor.
+    return all(t.is_pinned() for t in args[0]._inner().values())

@@ -1,5 +1,14 @@
-"""Distributed pieces: amax reduction groups, tensor/sequence-parallel styles (more arrives with the FSDP2 issue)."""
+"""Distributed pieces: amax reduction groups, FSDP2 quantized all-gather, DCP checkpoints, and
+tensor/sequence-parallel styles for converted layers."""
 
+from tqcompile.distributed import checkpoint
+from tqcompile.distributed.fsdp import (
+    QuantizedAllGatherWarning,
+    QuantizedWeight,
+    enable_quantized_all_gather,
+    precompute_scales,
+    quantized_all_gather_reason,
+)
 from tqcompile.distributed.groups import all_reduce_amax, group_name_of, resolve_group
 
 _TENSOR_PARALLEL = (
@@ -11,7 +20,18 @@ _TENSOR_PARALLEL = (
     "SequenceGatheredInput",
 )
 
-__all__ = ["all_reduce_amax", "group_name_of", "resolve_group", *_TENSOR_PARALLEL]
+__all__ = [
+    "all_reduce_amax",
+    "group_name_of",
+    "resolve_group",
+    "QuantizedWeight",
+    "QuantizedAllGatherWarning",
+    "enable_quantized_all_gather",
+    "precompute_scales",
+    "quantized_all_gather_reason",
+    "checkpoint",
+    *_TENSOR_PARALLEL,
+]
 
 
 def __getattr__(name: str):

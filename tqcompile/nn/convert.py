@@ -27,6 +27,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from tqcompile.distributed import fsdp as distributed_fsdp
 from tqcompile.nn.attention import QuantizedMultiheadAttention, QuantizedTransformerEncoderLayer, mha_unsupported_reason
 from tqcompile.nn.linear import Linear, _Quantized
 from tqcompile.recipes import Recipe
@@ -243,7 +244,13 @@ def conversion_plan(
     return [plan[name] for name in modules if name in plan]
 
 
-def convert(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+def convert(
+    model: nn.Module,
+    recipe: Recipe,
+    *,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    fsdp_quantized_all_gather: bool | None = None,
+) -> nn.Module:
     """Convert, in place, every layer of `model` that has a registered converter and passes
     `filter_fn(module, fqn)`, and return `model`.
 
@@ -251,6 +258,10 @@ def convert(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module,
     Linear semantics) are left alone and reported in one `ConversionWarning`, as are layers whose
     parent reads their weight directly and is not converted itself (see the module docstring).
     Converting again with the same recipe changes nothing; with another recipe it raises.
+
+    `fsdp_quantized_all_gather`: make the converted weights `tq.distributed.QuantizedWeight`s, which
+    FSDP2's `fully_shard` all-gathers quantized (docs/distributed.md). None (default): when a
+    default process group is initialized; False: never (weights are gathered in high precision).
 
     Example:
         >>> model = tq.convert(model, tq.recipes.mxfp8(), filter_fn=lambda m, fqn: "lm_head" not in fqn)
@@ -268,6 +279,12 @@ def convert(model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module,
         if isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False):
             if any(_is_converted(m) for m in module.layers.modules()):
                 module.use_nested_tensor = False
+    if fsdp_quantized_all_gather is None:
+        fsdp_quantized_all_gather = distributed_fsdp._is_initialized()
+    if fsdp_quantized_all_gather:
+        for p in plan:
+            if p.action == "convert":
+                distributed_fsdp.enable_quantized_all_gather(modules[p.name], p.name)
     skipped = [p for p in plan if p.action == "skip"]
     if skipped:
         lines = "\n".join(f"  {p.name or '<root>'} ({p.module_type}): {p.reason}" for p in skipped)

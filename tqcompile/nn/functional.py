@@ -63,13 +63,20 @@ class _QuantizedLinear(torch.autograd.Function):
         # this call's amax at index 0); the buffers themselves roll in backward (see the module docstring).
         next_x, next_w = (None, None) if hist_x is None else (hist_x.clone(), hist_w.clone())
         qx = quantize(x2, r.fprop_input, amax_group=amax_group, columnwise=x_shared, amax_history=next_x)
-        w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-        qw = quantize(weight, r.fprop_weight, columnwise=w_shared, amax_history=next_w)
+        if isinstance(weight, QuantizedTensor):
+            # --- FSDP2 quantized all-gather (tq.distributed.fsdp): the weight arrives quantized, with
+            # its usages for fprop and dgrad; the gather scaled it from, and rolled, its history, so
+            # backward leaves that one alone.
+            w_shared, qw = need_dgrad, weight
+            hist_w = None
+        else:
+            w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
+            qw = quantize(weight, r.fprop_weight, columnwise=w_shared, amax_history=next_w)
         y = qgemm(qx, False, qw, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
 
-        saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
+        saved_w = qw if qw is weight else qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
         if not need_wgrad:
             saved_x = None
         elif r.wgrad_input is None:
@@ -100,7 +107,8 @@ class _QuantizedLinear(torch.autograd.Function):
         qdy = quantize(dy2, r.dgrad_grad, amax_group=a.amax_group, columnwise=dy_shared, amax_history=hist_dy)
         if hist_x is not None and a.update_histories:
             ops.amax_history_update(hist_x, current_amaxes[0])
-            ops.amax_history_update(hist_w, current_amaxes[1])
+            if hist_w is not None:  # None: an FSDP2-gathered weight, whose gather rolled it
+                ops.amax_history_update(hist_w, current_amaxes[1])
 
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -148,6 +156,10 @@ def linear(
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"linear: recipe must be a tq.Recipe (e.g. tq.recipes.fp8_tensorwise()), got {type(recipe).__name__}")
+    if isinstance(weight, QuantizedTensor) and not (weight.quantizer == recipe.fprop_weight == recipe.dgrad_weight):
+        raise ValueError(
+            f"linear: a quantized weight ({weight!r}) must use recipe {recipe.name!r}'s fprop and dgrad weight quantizer"
+        )
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     error = linear_input_error(x, weight, recipe, backward)
     if error is not None:
