@@ -40,12 +40,26 @@ def _rows(layout: str, results: list[ShardedRunResult]) -> list[tuple[str, ...]]
     rows = []
     for r in results:
         if r.error is not None:
-            rows.append((layout, r.name, "-", "-", "-", "-", f"not run: {r.error.split(' (')[0].split(':')[0]}"))
+            rows.append(
+                (layout, r.name, "-", "-", "-", "-", str(r.graph_breaks), "-", f"not run: {r.error.split(' (')[0].split(':')[0]}")
+            )
             continue
         mb = r.all_gather_bytes / 1e6
         ratio = f"{r.all_gather_bytes / base.all_gather_bytes:.2f}x" if base.all_gather_bytes else "-"
         ms = r.step_ms()
-        rows.append((layout, r.name, f"{mb:.3f}", ratio, f"{ms:.1f}", f"{ms / base.step_ms():.2f}x", ""))
+        rows.append(
+            (
+                layout,
+                r.name,
+                f"{mb:.3f}",
+                ratio,
+                f"{ms:.1f}",
+                f"{ms / base.step_ms():.2f}x",
+                str(r.graph_breaks),
+                str(r.recompiles),
+                "",
+            )
+        )
     return rows
 
 
@@ -70,7 +84,7 @@ def main() -> None:
         tq.recipes.get(name)  # a bad name fails here, before any process starts
     backend = "inductor" if args.device == "cuda" else "aot_eager"
     cfg = DemoConfig(steps=args.steps, device=args.device, backend=backend)
-    header = ("layout", "recipe", "gathered MB/step", "vs bf16", "step ms", "vs bf16", "note")
+    header = ("layout", "recipe", "gathered MB/step", "vs bf16", "step ms", "vs bf16", "graph breaks", "recompiles", "note")
     rows = []
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
