@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=_positive_int, default=defaults.steps, help=f"training steps per run (default: {defaults.steps})"
     )
     demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="auto: cuda if available (default: cpu)")
+    demo.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree: shard over N processes (default: 1); see docs/demo.md")
+    demo.add_argument("--tp", type=int, default=1, help="tensor (+ sequence) parallel degree M; N x M processes (default: 1)")
     demo.add_argument("--moe", action="store_true", help="use an expert-choice MoE MLP (4 experts) instead of the dense MLP")
     demo.add_argument(
         "--backend",
@@ -117,9 +119,30 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(args, device)
+        return _run_sharded(args, device, threads) if (args.fsdp, args.tp) != (1, 1) else _run(args, device)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _run_sharded(args: argparse.Namespace, device: str, threads: int | None) -> int:
+    """`--fsdp N --tp M`: the same runs over N x M processes (started here, or by torchrun)."""
+    from tqcompile.demo import DemoConfig
+    from tqcompile.demo_sharded import run
+
+    backend = args.backend or ("inductor" if device == "cuda" else "aot_eager")
+    cfg = DemoConfig(
+        steps=args.steps,
+        n_experts=4 if args.moe else 0,
+        seed=args.seed,
+        device=device,
+        backend=backend,
+        log_every=max(1, args.steps // 6),
+    )
+    try:
+        return run(args.recipes, cfg, args.fsdp, args.tp, threads=threads)
+    except ValueError as e:  # a layout the model cannot take: a usage error, before any process starts
+        print(f"tqcompile demo: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _run(args: argparse.Namespace, device: str) -> int:

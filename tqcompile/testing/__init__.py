@@ -3,6 +3,7 @@
 - `tqcompile.testing.numerics`: `sqnr`, `assert_sqnr`, `assert_payload_equal` (bit for bit), error bounds.
 - `tqcompile.testing.compile`: `assert_no_graph_breaks`, `CompileCounter` (graph breaks and
   recompiles), `AotGraphRecorder`, `assert_bitwise_equal`.
+- `tqcompile.testing.comm`: `count_collective_bytes` (bytes and calls of torch.distributed collectives).
 - `tqcompile.testing.strategies`: hypothesis strategies for quantizers and tensors (needs
   `hypothesis`, the `test` extra; imported on first use so the rest works without it).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tqcompile.testing.comm import CollectiveBytes, count_collective_bytes
 from tqcompile.testing.compile import AotGraphRecorder, CompileCounter, assert_bitwise_equal, assert_no_graph_breaks, graph_code
 from tqcompile.testing.numerics import assert_error_within, assert_payload_equal, assert_sqnr, error_bound, sqnr
 
@@ -26,6 +28,8 @@ __all__ = [
     "assert_no_graph_breaks",
     "assert_bitwise_equal",
     "graph_code",
+    "count_collective_bytes",
+    "CollectiveBytes",
     "strategies",
 ]
 

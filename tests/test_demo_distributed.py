@@ -1,0 +1,161 @@
+"""The sharded demo (`tqcompile demo --fsdp N --tp M`), its process launcher, and
+`count_collective_bytes`, on CPU with gloo.
+
+Starting processes and compiling are the slow part here: each spawn runs several checks, every
+spawn has a time limit, and a failing rank fails the test at once (`launch.spawn`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tqcompile.cli import main
+from tqcompile.distributed.launch import spawn
+from tqcompile.testing.comm import count_collective_bytes
+
+N = 1000  # float32 elements per rank
+
+
+def _counter_checks(rank: int, world_size: int) -> None:
+    """Every collective's bytes counted exactly, in eager code and inside a compiled graph."""
+    x = torch.full((N,), float(rank))
+    with count_collective_bytes() as wire:
+        out = torch.empty(world_size * N)
+        dist.all_gather_into_tensor(out, x)  # c10d in-place op
+        y = x.clone()
+        dist.all_reduce(y)
+        g = funcol.all_gather_tensor(x.to(torch.bfloat16), 0, dist.group.WORLD)  # functional op
+        g = funcol.wait_tensor(g)
+    assert torch.equal(out, torch.arange(world_size).repeat_interleave(N).float())
+    assert g.shape == (world_size * N,)
+    assert wire.bytes["all_gather"] == world_size * N * 4 + world_size * N * 2, wire
+    assert wire.calls["all_gather"] == 2 and wire.calls["all_reduce"] == 1, wire
+    assert wire.bytes["all_reduce"] == N * 4, wire
+    assert wire.dtypes["all_gather"] == {torch.float32, torch.bfloat16}, wire
+
+    # A collective a DTensor op issues inside its own dispatch (sort has no sharded strategy:
+    # DTensor all-gathers the shards first) is counted too.
+    mesh = init_device_mesh("cpu", (world_size,))
+    d = distribute_tensor(torch.arange(world_size * N, dtype=torch.float32).flip(0), mesh, [Shard(0)])
+    with count_collective_bytes() as wire:
+        d.sort(dim=0)
+    assert wire.bytes["all_gather"] == world_size * N * 4 and wire.calls["all_gather"] == 1, wire
+
+    # Collectives that torch.compile put in a graph are counted when the graph runs (aot_eager),
+    # and the mode does not stop Dynamo compiling (it is off while Dynamo traces).
+    group_name = dist.group.WORLD.group_name
+
+    def gather_u8(t: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_gather_tensor(t.view(torch.uint8), 0, group_name)).sum()
+
+    compiled = torch.compile(gather_u8, backend="aot_eager", fullgraph=True)
+    compiled(x)  # compile outside the mode
+    with count_collective_bytes() as wire:
+        compiled(x)
+        compiled(x)
+    assert wire.bytes["all_gather"] == 2 * world_size * N * 4 and wire.calls["all_gather"] == 2, wire
+    wire.reset()
+    assert not wire.bytes and not wire.calls
+
+
+def test_count_collective_bytes_two_processes() -> None:
+    spawn(_counter_checks, 2, timeout_s=240)
+
+
+def _rank1_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("planted failure on rank 1")
+    dist.barrier()  # rank 0 would wait here forever for rank 1
+
+
+def _sleeps(rank: int, world_size: int) -> None:
+    time.sleep(600)
+
+
+def test_spawn_fails_fast_and_times_out() -> None:
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="planted failure on rank 1"):
+        spawn(_rank1_raises, 2, timeout_s=120)
+    with pytest.raises(TimeoutError, match="still running after 8 s"):
+        spawn(_sleeps, 2, timeout_s=8)
+    assert time.monotonic() - start < 110  # neither waited for its rank-0 process to finish
+
+
+def _table_rows(out: str) -> tuple[str, dict[str, list[str]]]:
+    lines = out.splitlines()
+    header = next(ln for ln in lines if ln.startswith("recipe"))
+    body = lines[lines.index(header) + 2 :]
+    rows = {}
+    for ln in body:
+        if not ln.strip():
+            break
+        rows[ln.split()[0]] = re.split(r"\s{2,}", ln.strip())
+    return header, rows
+
+
+def test_demo_fsdp2_prints_the_bytes_gathered(capfd: pytest.CaptureFixture[str]) -> None:
+    import tqcompile.distributed as tqd
+
+    status = main(["demo", "--fsdp", "2", "--recipes", "fp8_tensorwise", "--steps", "2", "--plot", "none"])
+    out, err = capfd.readouterr()
+    assert status == 0, out + err
+    header, rows = _table_rows(out)
+    assert "gathered MB/step" in header and "vs bf16 bytes" in header, header
+    assert set(rows) == {"bf16", "fp8_tensorwise"}, out
+    cols = re.split(r"\s{2,}", header.strip())
+    for cells in rows.values():
+        cell = dict(zip(cols, cells))
+        assert float(cell["final loss"]) > 0, cell
+        assert float(cell["gathered MB/step"]) > 0, cell
+        assert cell["graph breaks"] == "0" and cell["recompiles"] == "0", cell
+    assert dict(zip(cols, rows["bf16"]))["vs bf16 bytes"] == "1.00x"
+    fp8_mb, bf16_mb = (float(dict(zip(cols, rows[n]))["gathered MB/step"]) for n in ("fp8_tensorwise", "bf16"))
+    if hasattr(tqd, "QuantizedWeight"):  # FSDP2 gathers converted weights quantized: the column shows it
+        assert fp8_mb < 0.6 * bf16_mb, out
+    else:  # stock fully_shard gathers every weight in bf16
+        assert fp8_mb == bf16_mb, out
+    assert "FSDP2 2 = 2 processes, gloo" in out
+    # Rank 0 alone reports progress: one line per step and run.
+    assert err.count("[                bf16] step    0/2") == 1, err
+
+
+def test_demo_tp2_gathers_quantized_activations(capfd: pytest.CaptureFixture[str]) -> None:
+    status = main(["demo", "--tp", "2", "--recipes", "fp8_tensorwise", "--steps", "2", "--plot", "none"])
+    out, err = capfd.readouterr()
+    assert status == 0, out + err
+    header, rows = _table_rows(out)
+    cols = re.split(r"\s{2,}", header.strip())
+    assert set(rows) == {"bf16", "fp8_tensorwise"}, out
+    cells = {name: dict(zip(cols, row)) for name, row in rows.items()}
+    for cell in cells.values():
+        assert float(cell["final loss"]) > 0 and float(cell["gathered MB/step"]) > 0, cell
+        assert cell["graph breaks"] == "0" and cell["recompiles"] == "0", cell
+    # bf16 (torch's styles) gathers its sequence-parallel activations in high precision; tqcompile's
+    # styles gather fp8_tensorwise's quantized (the lm_head's input and logits stay high precision).
+    assert float(cells["fp8_tensorwise"]["gathered MB/step"]) < 0.7 * float(cells["bf16"]["gathered MB/step"]), out
+    assert "TP 2 (+SP) = 2 processes, gloo" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--fsdp", "3"], "--fsdp 3 must divide the batch of 2 sequences"),
+        (["--fsdp", "0"], "--fsdp 0; allowed: an integer >= 1"),
+        (["--tp", "3"], "--tp 3 must divide the 4 heads"),
+        (["--tp", "2", "--moe"], "tensor parallelism of MoE blocks is not supported"),
+    ],
+)
+def test_bad_layouts_are_refused_before_starting_processes(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", *argv, "--steps", "2", "--plot", "none"]) == 2
+    assert message in capsys.readouterr().err

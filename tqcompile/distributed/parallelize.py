@@ -1,0 +1,130 @@
+"""`parallelize`: shard the demo GPT over a device mesh, read top to bottom.
+
+The order is the one FSDP2 and torch.compile need (torchtitan's):
+
+1. tensor/sequence parallel (`parallelize_module`) over the mesh's "tp" dimension;
+2. `torch.compile(fullgraph=True)` of each block (not of the whole model: measured on torch 2.13,
+   compiling a whole FSDP2 model fails at FSDP's own pre-forward hook, converted or not);
+3. `fully_shard` of each block, then of the root, over the "dp" dimension, gathering in bf16
+   (`MixedPrecisionPolicy(param_dtype=bfloat16)`): FSDP's hooks run between the compiled blocks.
+
+Which TP plan: a converted model gets `tqcompile.models.parallel.parallelize_gpt`, tqcompile's TP
+styles (torch's own fail on converted layers: DTensor has no sharding strategy for the
+`tqcompile` ops); the high-precision bf16 baseline gets the same layout with torch's styles (the
+fused q/k/v split of tqcompile's `ColwiseParallel` serves converted layers only). Which FSDP
+gather: stock `fully_shard`; converted layers gather quantized wherever `tq.distributed` provides
+the weight wrapper (no call is needed here for that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import parallel as torch_tp
+
+from tqcompile.models.gpt import GPT
+from tqcompile.models.parallel import parallelize_gpt
+from tqcompile.nn.linear import _Quantized
+
+__all__ = ["parallelize", "mesh_dims"]
+
+
+def mesh_dims(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(dp mesh, tp mesh) of `mesh`, None for a dimension it lacks or of size 1.
+
+    A 1-D mesh is data parallel unless its dimension is named "tp"; a 2-D mesh must name its
+    dimensions ("dp", "tp")."""
+    names = mesh.mesh_dim_names or (("dp",) if mesh.ndim == 1 else None)
+    if names is None or not set(names) <= {"dp", "tp"} or len(set(names)) != mesh.ndim:
+        raise ValueError(f"parallelize: mesh dimension names {mesh.mesh_dim_names}; allowed: ('dp',), ('tp',) or ('dp', 'tp')")
+
+    def sub(name: str) -> DeviceMesh | None:
+        if name not in names:
+            return None
+        m = mesh if mesh.ndim == 1 else mesh[name]
+        return m if m.size() > 1 else None
+
+    return sub("dp"), sub("tp")
+
+
+def _apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallelism: norms on sequence shards, q/k/v and MLP-in
+    column-parallel, the output projections row-parallel (reduce-scattered back to sequence
+    shards); embeddings replicated, the first block's input split along the sequence, the
+    high-precision lm_head column-parallel with a replicated output (every rank has the loss)."""
+    tp = tp_mesh.size()
+    cfg = model.cfg
+    if cfg.n_experts:
+        raise ValueError(
+            f"parallelize: tensor parallelism of MoE blocks (n_experts={cfg.n_experts}) is not supported; use a dense MLP"
+        )
+    if cfg.n_head % tp or cfg.seq_len % tp:
+        raise ValueError(f"parallelize: TP degree {tp} must divide n_head={cfg.n_head} and seq_len={cfg.seq_len}")
+    if any(isinstance(m, _Quantized) for m in model.modules()):
+        parallelize_gpt(model, tp_mesh)  # tqcompile's styles: activations gathered quantized
+        return
+    # The bf16 baseline, with torch's styles. Its ColwiseParallel gives each rank a contiguous
+    # slice of the fused q/k/v weight's rows: reorder them so that slice is [q; k; v] of this
+    # rank's heads (a permutation of output features: exact; the global qkv weight of this
+    # layout is stored in that order). Torch's styles gather the sequence in high precision
+    # before the attention and the MLP.
+    for block in model.blocks:
+        w = block.attn.qkv.weight
+        with torch.no_grad():
+            w.copy_(w.view(3, tp, -1, w.shape[1]).transpose(0, 1).reshape(w.shape))
+    seq_in = torch_tp.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    for block in model.blocks:
+        plan = {
+            "attn_norm": torch_tp.SequenceParallel(),
+            "attn": seq_in,
+            "attn.qkv": torch_tp.ColwiseParallel(),
+            "attn.proj": torch_tp.RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": torch_tp.SequenceParallel(),
+            "mlp": seq_in,
+            "mlp.fc": torch_tp.ColwiseParallel(),
+            "mlp.proj": torch_tp.RowwiseParallel(output_layouts=Shard(1)),
+        }
+        torch_tp.parallelize_module(block, tp_mesh, plan)
+        block.attn.n_head = cfg.n_head // tp  # each rank runs its own heads
+    top = {
+        "blocks.0": torch_tp.PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        ),
+        "norm": torch_tp.SequenceParallel(),
+        "lm_head": torch_tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    torch_tp.parallelize_module(model, tp_mesh, top)
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, *, backend: str | Callable[..., Any] | None = "aot_eager") -> GPT:
+    """Shard `model` (a `tqcompile.models.GPT`, converted or not) over `mesh`, in place, and return it.
+
+    `mesh` is 1-D ("dp": FSDP2, or "tp": tensor + sequence parallel) or 2-D ("dp", "tp"). Call it
+    after `quantize_model` and before building the optimizer. `backend` compiles each block with
+    `fullgraph=True` (None: eager). Every rank must then run the same forward (the TP ranks of a
+    dp rank the same tokens).
+
+    Example (each of 2 processes, after `dist.init_process_group("gloo")`):
+        >>> mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        >>> model = parallelize(quantize_model(GPT(GPTConfig()), tq.recipes.mxfp8()), mesh)
+    """
+    dp_mesh, tp_mesh = mesh_dims(mesh)
+    # 1. Tensor parallel first: it replaces parameters with DTensors that FSDP then shards further.
+    if tp_mesh is not None:
+        _apply_tensor_parallel(model, tp_mesh)
+    # 2. Compile each block (FSDP's hooks, added next, stay outside the compiled graphs).
+    if backend is not None:
+        for block in model.blocks:
+            block.compile(backend=backend, fullgraph=True)
+    # 3. FSDP2: each block is its own all-gather unit, then the root (embeddings, norm, lm_head).
+    if dp_mesh is not None:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    return model
