@@ -8,7 +8,8 @@
   quantized dy for a dgrad it does not run, stochastically rounded, so eager drew one more seed
   from torch's generator than the compiled backward (which drops the dead op), and every later
   layer's gradient was rounded with another seed.
-- `test_grouped_linear_errors_under_fullgraph`: a bad call of `tq.nn.GroupedLinear` (wrong m_splits
+- `test_grouped_linear_errors_under_fullgraph` (and `..._attention_...` for a converted
+  `nn.MultiheadAttention`): a bad call of `tq.nn.GroupedLinear` (wrong m_splits
   length or dtype, wrong feature count, a 3-D input with m_splits) raised Dynamo's "Observed
   exception" / "Failed to convert args/kwargs to proxy" under fullgraph; now our message.
 """
@@ -93,3 +94,18 @@ def test_grouped_linear_errors_under_fullgraph():
             compiled(bad_x) if m_splits is None else compiled(bad_x, m_splits)
     # Good calls still run after the bad ones.
     assert compiled(torch.randn(12, D), torch.tensor([2, 3, 4, 3])).shape == (12, D)
+
+
+def test_converted_attention_errors_under_fullgraph():
+    """A converted nn.MultiheadAttention's own checks raised while Dynamo traced: "Observed exception"."""
+    mha = tq.convert(nn.MultiheadAttention(D, 4, batch_first=True), tq.recipes.mxfp8())
+    compiled = torch.compile(mha, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 16, D)
+    small = torch.randn(2, 16, 64)
+    with pytest.raises(ValueError, match=r"query \(2, 16, 64\), key \(2, 16, 64\) and value \(2, 16, 64\)"):
+        compiled(small, small, small)
+    with pytest.raises(ValueError, match=r"key_padding_mask of shape \(2, 7\); expected \(2, 16\)"):
+        compiled(x, x, x, key_padding_mask=torch.zeros(2, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 3\); allowed: \(16, 16\)"):
+        compiled(x, x, x, attn_mask=torch.zeros(3, 3, dtype=torch.bool))
+    assert compiled(x, x, x)[0].shape == (2, 16, D)

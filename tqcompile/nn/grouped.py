@@ -33,7 +33,7 @@ from tqcompile.distributed.groups import all_reduce_amax
 from tqcompile.nn.functional import linear
 from tqcompile.nn.linear import _check_recipe, _Quantized
 from tqcompile.ops import grouped_gemm as gops
-from tqcompile.ops.errors import raise_error, static_shape
+from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
 
@@ -169,12 +169,6 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-def _shape_str(shape: Sequence[int]) -> str:
-    """`shape` as "(a, b)" from plain ints: a constant message even when torch.compile traces the
-    sizes symbolically (Dynamo cannot put a tuple of sizes into an f-string that an op takes)."""
-    return "(" + ", ".join(f"{d}" for d in static_shape(shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
 def _splits_error(m_splits, num_experts: int, num_tokens: int, device: torch.device) -> tuple[type[Exception], str] | None:
     """(exception type, message) of the first problem with `m_splits`, or None (see `_ends_from`)."""
     if isinstance(m_splits, torch.Tensor):
@@ -184,7 +178,7 @@ def _splits_error(m_splits, num_experts: int, num_tokens: int, device: torch.dev
                 f"GroupedLinear: m_splits tensor has dtype {m_splits.dtype}; allowed: torch.int64 (or torch.int32) per-expert token counts",
             )
         if m_splits.dim() != 1 or m_splits.shape[0] != num_experts:
-            shape = _shape_str(m_splits.shape)
+            shape = shape_str(m_splits.shape)
             return (
                 ValueError,
                 f"GroupedLinear: m_splits tensor has shape {shape}; expected ({num_experts},), one count per expert",
@@ -224,7 +218,7 @@ def _ends_from(m_splits, num_experts: int, num_tokens: int, device: torch.device
 
 def _grouped_input_error(x: torch.Tensor, m_splits, weight: torch.Tensor, recipe: Recipe) -> tuple[type[Exception], str] | None:
     """(exception type, message) of the first problem with a grouped call, or None. Shapes in
-    messages are plain ints (`static_shape`): under dynamic shapes a message must be a constant."""
+    messages are plain ints (`shape_str`): under dynamic shapes a message must be a constant."""
     if x.dtype not in SUPPORTED_DTYPES:
         return (
             TypeError,
@@ -234,7 +228,7 @@ def _grouped_input_error(x: torch.Tensor, m_splits, weight: torch.Tensor, recipe
         return (
             ValueError,
             f"grouped_linear: expected x of shape (tokens, {weight.shape[-1]}) and weight (experts, out, in), "
-            f"got x {_shape_str(x.shape)} and weight {_shape_str(weight.shape)}",
+            f"got x {shape_str(x.shape)} and weight {shape_str(weight.shape)}",
         )
     reason = grouped_unsupported_reason(recipe, weight.shape[2], weight.shape[1])
     if reason:
@@ -327,14 +321,14 @@ class GroupedLinear(_Quantized, nn.Module):
         if m_splits is not None:
             if x.dim() != 2 or x.shape[1] != self.in_features:
                 message = (
-                    f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {_shape_str(x.shape)}"
+                    f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {shape_str(x.shape)}"
                 )
                 return raise_error(ValueError, message, like=x, shape=(*x.shape[:-1], self.out_features))
             return grouped_linear(x, m_splits, self.weight, self.bias, self.recipe, amax_group=self.amax_group_name)
         if x.dim() != 3 or x.shape[0] != self.num_experts:
             message = (
                 f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, "
-                f"got {_shape_str(x.shape)}"
+                f"got {shape_str(x.shape)}"
             )
             return raise_error(ValueError, message, like=x, shape=(*x.shape[:-1], self.out_features))
         # One quantized linear per expert: every expert's weight and tokens get their own scales.
