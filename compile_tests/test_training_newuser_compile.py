@@ -59,7 +59,9 @@ def _train(model: nn.Module, forward, steps: int = 3) -> list[torch.Tensor]:
     return losses
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "fp8_delayed"])
+# nvfp4 only: the stochastic rounding made the difference; fp8_delayed compiled == eager is in
+# test_delayed_scaling_compile.py.
+@pytest.mark.parametrize("name", ["nvfp4"])
 def test_compiled_training_equals_eager(name):
     torch.manual_seed(0)
     eager = tq.convert(ViT(), tq.recipes.get(name))
