@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tqcompile as tq
 
-D, V, S, B = 128, 256, 64, 2  # 128 tokens a step: every recipe's blocks divide it
+D, V, S, B = 128, 128, 64, 2  # 128 tokens a step: every recipe's blocks divide it
 
 
 class ScaledLinear(nn.Linear):
