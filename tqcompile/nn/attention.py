@@ -29,6 +29,7 @@ from torch import nn
 
 from tqcompile.nn.functional import linear
 from tqcompile.nn.histories import _AmaxHistoryOwner
+from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.recipes import Recipe
 
 __all__ = ["QuantizedMultiheadAttention", "QuantizedTransformerEncoderLayer", "mha_unsupported_reason"]
@@ -78,12 +79,16 @@ def _mha_forward(mha, query, key, value, key_padding_mask, need_weights, attn_ma
             "MultiheadAttention (converted by tq.convert): nested tensor inputs are not supported; pass a padded "
             "batch with key_padding_mask"
         )
+    # Bad shapes go through raise_error: under torch.compile the user then sees this message, not
+    # Dynamo's "Observed exception" (tqcompile.ops.errors); the placeholder has the output's shape.
+    out_shape = (*query.shape[:-1], mha.embed_dim)
     batched = query.dim() == 3
     if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
-        raise ValueError(
+        message = (
             f"MultiheadAttention: query, key and value must all be 3-D (batched) or all 2-D (unbatched), got shapes "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            f"{shape_str(query.shape)}, {shape_str(key.shape)}, {shape_str(value.shape)}"
         )
+        return raise_error(ValueError, message, like=query, shape=out_shape), None
     self_attention = query is key and key is value
     if not batched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -94,10 +99,12 @@ def _mha_forward(mha, query, key, value, key_padding_mask, need_weights, attn_ma
     src_len = key.shape[1]
     h, hd = mha.num_heads, mha.head_dim
     if e != mha.embed_dim or key.shape[0] != b or value.shape[:2] != key.shape[:2]:
-        raise ValueError(
-            f"MultiheadAttention(embed_dim={mha.embed_dim}): query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-            f"{tuple(value.shape)} (batch first) need query's last dim embed_dim and one batch and key/value sequence length"
+        message = (
+            f"MultiheadAttention(embed_dim={mha.embed_dim}): query {shape_str(query.shape)}, key {shape_str(key.shape)} and "
+            f"value {shape_str(value.shape)} (batch first) need query's last dim embed_dim and one batch and key/value "
+            "sequence length"
         )
+        return raise_error(ValueError, message, like=query, shape=out_shape), None
     if attn_mask is None and is_causal:
         raise RuntimeError("MultiheadAttention: is_causal is a hint that attn_mask is the causal mask; pass attn_mask too")
     dtype = query.dtype
@@ -114,15 +121,19 @@ def _mha_forward(mha, query, key, value, key_padding_mask, need_weights, attn_ma
         elif attn_mask.dim() == 3 and attn_mask.shape == (b * h, tgt_len, src_len):
             attn_mask = attn_mask.view(b, h, tgt_len, src_len)
         else:
-            raise ValueError(
-                f"MultiheadAttention: attn_mask of shape {tuple(attn_mask.shape)}; allowed: ({tgt_len}, {src_len}) or "
-                f"(batch * num_heads, {tgt_len}, {src_len}) = ({b * h}, {tgt_len}, {src_len})"
+            tgt_len, src_len, bh = (int(n) for n in (tgt_len, src_len, b * h))
+            message = (
+                f"MultiheadAttention: attn_mask of shape {shape_str(attn_mask.shape)}; allowed: ({tgt_len}, {src_len}) or "
+                f"(batch * num_heads, {tgt_len}, {src_len}) = ({bh}, {tgt_len}, {src_len})"
             )
+            return raise_error(ValueError, message, like=query, shape=out_shape), None
     if key_padding_mask is not None:
         if key_padding_mask.shape != (b, src_len):
-            raise ValueError(
-                f"MultiheadAttention: key_padding_mask of shape {tuple(key_padding_mask.shape)}; expected ({b}, {src_len})"
+            message = (
+                f"MultiheadAttention: key_padding_mask of shape {shape_str(key_padding_mask.shape)}; "
+                f"expected ({int(b)}, {int(src_len)})"
             )
+            return raise_error(ValueError, message, like=query, shape=out_shape), None
         key_padding_mask = key_padding_mask.view(b, 1, 1, src_len)
 
     bias_q = bias_k = bias_v = None

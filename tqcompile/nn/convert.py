@@ -203,6 +203,8 @@ def conversion_plan(
     model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
 ) -> list[PlannedConversion]:
     """What `convert(model, recipe, filter_fn=...)` would do to each convertible layer."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tq.convert: model must be a torch.nn.Module, got {type(model).__name__}")
     modules = dict(model.named_modules())
     plan: dict[str, PlannedConversion] = {}
     for name, module in modules.items():
@@ -266,6 +268,8 @@ def convert(
     Example:
         >>> model = tq.convert(model, tq.recipes.mxfp8(), filter_fn=lambda m, fqn: "lm_head" not in fqn)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tq.convert: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(recipe, Recipe):
         raise TypeError(f"tq.convert: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
     plan = conversion_plan(model, recipe, filter_fn=filter_fn)

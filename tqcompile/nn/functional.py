@@ -104,7 +104,12 @@ class _QuantizedLinear(torch.autograd.Function):
             hist_dy = hist_dy.clone()  # eval mode: scale from the history, leave it as it is
         dy2 = dy.reshape(-1, dy.shape[-1])
         dy_shared = r.wgrad_grad == r.dgrad_grad
-        qdy = quantize(dy2, r.dgrad_grad, amax_group=a.amax_group, columnwise=dy_shared, amax_history=hist_dy)
+        # dgrad's dy only where it is used: a stochastically rounded quantize that a compiled backward
+        # drops as dead code would still draw from torch's generator in eager mode, and every later
+        # draw would differ (a first layer, whose input needs no grad, then got another wgrad seed).
+        qdy = None
+        if ctx.needs_input_grad[0] or dy_shared or hist_dy is not None:
+            qdy = quantize(dy2, r.dgrad_grad, amax_group=a.amax_group, columnwise=dy_shared, amax_history=hist_dy)
         if hist_x is not None and a.update_histories:
             ops.amax_history_update(hist_x, current_amaxes[0])
             if hist_w is not None:  # None: an FSDP2-gathered weight, whose gather rolled it

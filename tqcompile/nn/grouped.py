@@ -33,6 +33,7 @@ from tqcompile.distributed.groups import all_reduce_amax
 from tqcompile.nn.functional import linear
 from tqcompile.nn.linear import _check_recipe, _Quantized
 from tqcompile.ops import grouped_gemm as gops
+from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
 
@@ -168,35 +169,71 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-def _ends_from(m_splits, num_experts: int, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """Validate `m_splits` and return the segment ends (int64, on `device`)."""
+def _splits_error(m_splits, num_experts: int, num_tokens: int, device: torch.device) -> tuple[type[Exception], str] | None:
+    """(exception type, message) of the first problem with `m_splits`, or None (see `_ends_from`)."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dtype not in (torch.int64, torch.int32):
-            raise TypeError(
-                f"GroupedLinear: m_splits tensor has dtype {m_splits.dtype}; allowed: torch.int64 (or torch.int32) per-expert token counts"
+            return (
+                TypeError,
+                f"GroupedLinear: m_splits tensor has dtype {m_splits.dtype}; allowed: torch.int64 (or torch.int32) per-expert token counts",
             )
-        if tuple(m_splits.shape) != (num_experts,):
-            raise ValueError(
-                f"GroupedLinear: m_splits tensor has shape {tuple(m_splits.shape)}; expected ({num_experts},), one count per expert"
+        if m_splits.dim() != 1 or m_splits.shape[0] != num_experts:
+            shape = shape_str(m_splits.shape)
+            return (
+                ValueError,
+                f"GroupedLinear: m_splits tensor has shape {shape}; expected ({num_experts},), one count per expert",
             )
         if m_splits.device != device:
-            raise ValueError(f"GroupedLinear: m_splits is on {m_splits.device} but x is on {device}; put them on the same device")
+            return (
+                ValueError,
+                f"GroupedLinear: m_splits is on {m_splits.device} but x is on {device}; put them on the same device",
+            )
         if m_splits.device.type == "cpu" and not torch.compiler.is_compiling():
             # Free on a CPU tensor in eager mode; compiled, the op kernels check the same at run time.
             if bool((m_splits < 0).any()) or int(m_splits.sum()) != num_tokens:
-                raise ValueError(
-                    f"GroupedLinear: m_splits={m_splits.tolist()} must be non-negative counts summing to x.shape[0]={num_tokens}"
+                return (
+                    ValueError,
+                    f"GroupedLinear: m_splits={m_splits.tolist()} must be non-negative counts summing to x.shape[0]={num_tokens}",
                 )
-        return torch.cumsum(m_splits.to(torch.int64), 0)
+        return None
     if not isinstance(m_splits, Sequence) or not all(isinstance(m, int) and not isinstance(m, bool) for m in m_splits):
-        raise TypeError(
-            f"GroupedLinear: m_splits must be an int64 tensor or a list of ints, got {type(m_splits).__name__} {m_splits!r}"
+        return (
+            TypeError,
+            f"GroupedLinear: m_splits must be an int64 tensor or a list of ints, got {type(m_splits).__name__} {m_splits!r}",
         )
     if len(m_splits) != num_experts or sum(m_splits) != num_tokens or any(m < 0 for m in m_splits):
-        raise ValueError(
-            f"GroupedLinear: m_splits={list(m_splits)} must have {num_experts} entries summing to x.shape[0]={num_tokens}"
+        return (
+            ValueError,
+            f"GroupedLinear: m_splits={list(m_splits)} must have {num_experts} entries summing to x.shape[0]={int(num_tokens)}",
         )
+    return None
+
+
+def _ends_from(m_splits, num_experts: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """The segment ends (int64, on `device`) of validated `m_splits` (see `_splits_error`)."""
+    if isinstance(m_splits, torch.Tensor):
+        return torch.cumsum(m_splits.to(torch.int64), 0)
     return torch.tensor(m_splits, dtype=torch.int64, device=device).cumsum(0)
+
+
+def _grouped_input_error(x: torch.Tensor, m_splits, weight: torch.Tensor, recipe: Recipe) -> tuple[type[Exception], str] | None:
+    """(exception type, message) of the first problem with a grouped call, or None. Shapes in
+    messages are plain ints (`shape_str`): under dynamic shapes a message must be a constant."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        return (
+            TypeError,
+            f"grouped_linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16",
+        )
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        return (
+            ValueError,
+            f"grouped_linear: expected x of shape (tokens, {weight.shape[-1]}) and weight (experts, out, in), "
+            f"got x {shape_str(x.shape)} and weight {shape_str(weight.shape)}",
+        )
+    reason = grouped_unsupported_reason(recipe, weight.shape[2], weight.shape[1])
+    if reason:
+        return ValueError, f"grouped_linear: recipe {recipe.name!r} cannot serve this call: {reason}"
+    return _splits_error(m_splits, weight.shape[0], x.shape[0], x.device)
 
 
 def grouped_linear(
@@ -221,18 +258,11 @@ def grouped_linear(
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"grouped_linear: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"grouped_linear: input dtype {x.dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16"
-        )
-    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
-        raise ValueError(
-            f"grouped_linear: expected x of shape (tokens, {weight.shape[-1]}) and weight (experts, out, in), "
-            f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
-        )
-    reason = grouped_unsupported_reason(recipe, weight.shape[2], weight.shape[1])
-    if reason:
-        raise ValueError(f"grouped_linear: recipe {recipe.name!r} cannot serve this call: {reason}")
+    error = _grouped_input_error(x, m_splits, weight, recipe)
+    if error is not None:
+        # Raises now in eager mode; under torch.compile, when the compiled code runs, so the user
+        # sees this message rather than Dynamo's "Observed exception" (tqcompile.ops.errors).
+        return raise_error(*error, like=x, shape=(*x.shape[:-1], weight.shape[1]))
     ends = _ends_from(m_splits, weight.shape[0], x.shape[0], x.device)
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return _GroupedLinearFn.apply(x, weight, bias, ends, recipe, amax_group, backward)
@@ -290,14 +320,17 @@ class GroupedLinear(_Quantized, nn.Module):
     def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         if m_splits is not None:
             if x.dim() != 2 or x.shape[1] != self.in_features:
-                raise ValueError(
-                    f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {tuple(x.shape)}"
+                message = (
+                    f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {shape_str(x.shape)}"
                 )
+                return raise_error(ValueError, message, like=x, shape=(*x.shape[:-1], self.out_features))
             return grouped_linear(x, m_splits, self.weight, self.bias, self.recipe, amax_group=self.amax_group_name)
         if x.dim() != 3 or x.shape[0] != self.num_experts:
-            raise ValueError(
-                f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, got {tuple(x.shape)}"
+            message = (
+                f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, "
+                f"got {shape_str(x.shape)}"
             )
+            return raise_error(ValueError, message, like=x, shape=(*x.shape[:-1], self.out_features))
         # One quantized linear per expert: every expert's weight and tokens get their own scales.
         outs = [
             linear(

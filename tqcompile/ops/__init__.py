@@ -2,7 +2,7 @@
 them without running them, and a reference kernel (`tqcompile.kernels.reference`) that defines
 the numerics."""
 
-from tqcompile.ops.errors import raise_error, static_shape
+from tqcompile.ops.errors import raise_error, shape_str, static_shape
 from tqcompile.ops.gemm import amax_history_update, gemm_tn
 from tqcompile.ops.grouped_gemm import grouped_amax, grouped_gemm_tn, grouped_mm_wgrad, grouped_quantize
 from tqcompile.ops.quantize import amax, dequantize, quantize
@@ -19,4 +19,5 @@ __all__ = [
     "grouped_mm_wgrad",
     "raise_error",
     "static_shape",
+    "shape_str",
 ]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch.fx.node import has_side_effect
 
-__all__ = ["raise_error", "static_shape"]
+__all__ = ["raise_error", "static_shape", "shape_str"]
 
 # The exception types the op can raise, by name (a custom op takes strings, not classes).
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
@@ -51,6 +51,12 @@ def static_shape(shape: Sequence[int]) -> tuple[int, ...]:
     shapes the sizes are symbolic and a message formatted from them is not a constant (the op
     cannot take it); `int()` specializes the graph to these sizes, which only an error graph does."""
     return tuple(int(d) for d in shape)
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    """`shape` as "(a, b)" from plain ints, for a message: constant even when torch.compile traces the
+    sizes symbolically (Dynamo cannot format a tuple of sizes into a string that an op takes)."""
+    return "(" + ", ".join(f"{d}" for d in static_shape(shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
 def raise_error(
