@@ -2,8 +2,9 @@
 and the three GEMMs of each recipe's linear layer.
 
 - `opcheck` (schema, fake kernel, autograd registration, AOT dispatch) for every operand family;
-- on CPU `gemm_tn` takes `torch._scaled_mm` for FP8 tensorwise/rowwise operands, and that path must
-  equal the dequantize-to-fp32-and-matmul emulation bit for bit (so CPU results are the emulation's);
+- on CPU `gemm_tn` computes FP8 tensorwise/rowwise pairs as CPU `torch._scaled_mm` does, in plain
+  torch (`fp8_gemm_cpu`, which inductor can fuse): bit for bit equal to `torch._scaled_mm`, and to
+  the dequantize-to-fp32-and-matmul emulation where fp32 arithmetic is exact;
 - for each named recipe, the layer's y / dx / dW equal, bit for bit, the GEMMs of the operands each
   recipe names (quantized by `tq.quantize` with the right quantizer and usage, then dequantized):
   this pins which quantizer each operand gets and which usage (rowwise/columnwise) each GEMM reads.
@@ -152,16 +153,35 @@ def _spy_scaled_mm(mp, calls):
     seed=st.integers(0, 2**16),
 )
 def test_scaled_mm_path_equals_emulation_when_arithmetic_is_exact(m, n, k, qa, qb, out_dtype, seed):
-    """FP8 tensorwise/rowwise on CPU go through `torch._scaled_mm`. Where fp32 arithmetic is exact,
-    it equals the emulation bit for bit: the scales (tensorwise, per row, transposed for b) are
-    applied exactly as the emulation applies them."""
+    """Where fp32 arithmetic is exact, the CPU FP8 path equals the emulation bit for bit: the
+    scales (tensorwise, per row, transposed for b) are applied exactly as the emulation applies them."""
     qb, a, b = _scaled_mm_operands(qa, qb, m, n, k, seed, exact=True)
+    out = gemm_tn(*a, qa, *b, qb, out_dtype)
+    assert_bitwise_equal(out, _emulated(a, qa, b, qb, out_dtype))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 48),
+    n=st.integers(1, 48),
+    k=st.integers(1, 96),
+    qa=_SCALED_MM_QUANTIZERS,
+    qb=_SCALED_MM_QUANTIZERS,
+    out_dtype=_OUT_DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_fp8_path_equals_torch_scaled_mm(m, n, k, qa, qb, out_dtype, seed):
+    """On CPU, FP8 tensorwise/rowwise pairs are computed by `fp8_gemm_cpu` (plain torch, so inductor
+    can fuse it), not by calling `torch._scaled_mm`: it must equal CPU `torch._scaled_mm` bit for
+    bit on general operands (same products, same BLAS call on a contiguous (K, N) operand)."""
+    qb, a, b = _scaled_mm_operands(qa, qb, m, n, k, seed, exact=False)
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         _spy_scaled_mm(mp, calls)
         out = gemm_tn(*a, qa, *b, qb, out_dtype)
-    assert calls, "expected the torch._scaled_mm path for FP8 tensorwise/rowwise operands on CPU"
-    assert_bitwise_equal(out, _emulated(a, qa, b, qb, out_dtype))
+    assert not calls, "the CPU FP8 path must not call the opaque torch._scaled_mm"
+    expected = torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1].t(), out_dtype=out_dtype)
+    assert_bitwise_equal(out, expected)
 
 
 def _dot_error_bound(a64: torch.Tensor, b64: torch.Tensor, out_dtype: torch.dtype, roundings: int) -> torch.Tensor:
@@ -297,8 +317,8 @@ def test_linear_with_no_tokens(name):
 def test_gemm_of_fp32_max_operand_is_finite(granularity):
     """Regression (item 5): an operand holding fp32's max quantizes (power-of-two scale 2**120)
     to the e4m3 grid point 256, and 256 * 2**120 overflows fp32. CPU `_scaled_mm` forms that
-    product and returned Inf for a finite float product; gemm_tn takes the saturating emulation
-    there, and still takes `_scaled_mm` for ordinary operands."""
+    product and returns Inf for a finite float product; gemm_tn's CPU path saturates instead, and
+    equals `_scaled_mm` bit for bit on ordinary operands."""
     q = tq.Float8Quantizer(granularity=granularity, power_of_two_scale=True)
     x = torch.zeros(16, 16)
     x[0, 0] = torch.finfo(torch.float32).max
@@ -307,14 +327,13 @@ def test_gemm_of_fp32_max_operand_is_finite(granularity):
     w[0, 0] = 0.5
     a, b = tq.quantize(x, q).usage(False), tq.quantize(w, q).usage(False)
     assert (_emulated(a, q, b, q, torch.float32)[0, 0] > 1e38).item()  # fp32max / 2, finite
-    calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        _spy_scaled_mm(mp, calls)
-        out = gemm_tn(*a, q, *b, q, torch.float32)
-        assert not calls
-        assert torch.isfinite(out).all()
-        assert_bitwise_equal(out, _emulated(a, q, b, q, torch.float32))
-        x[0, 0] = 1.0
-        a = tq.quantize(x, q).usage(False)
-        gemm_tn(*a, q, *b, q, torch.float32)
-        assert calls  # ordinary operands keep the _scaled_mm path
+    out = gemm_tn(*a, q, *b, q, torch.float32)
+    assert torch.isfinite(out).all()
+    assert_bitwise_equal(out, _emulated(a, q, b, q, torch.float32))
+    # CPU _scaled_mm itself overflows there (what the saturating CPU path avoids) ...
+    assert torch.isinf(torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1].t(), out_dtype=torch.float32)).any()
+    # ... and equals it bit for bit on ordinary operands.
+    x[0, 0] = 1.0
+    a = tq.quantize(x, q).usage(False)
+    expected = torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1].t(), out_dtype=torch.float32)
+    assert_bitwise_equal(gemm_tn(*a, q, *b, q, torch.float32), expected)

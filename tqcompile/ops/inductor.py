@@ -7,9 +7,9 @@ reference kernels of amax, quantize and dequantize as decompositions: the plain-
 defines the numerics, traced into aten ops. Inductor then fuses the amax reduction, the scale, the
 multiply, the clamp and the cast with the producer of `x` and with each other (and a dequantize
 with its consumer), as it does torchao's plain-aten casts, instead of running opaque kernels that
-each read the whole tensor. `gemm_tn` stays opaque: on CPU it picks `_scaled_mm` or the emulation
-by reading the scales (an overflow check, see `tqcompile.ops.gemm`), which cannot be traced, and
-the matmul is an external kernel for inductor either way.
+each read the whole tensor. `gemm_tn` is handed over for FP8 tensorwise/rowwise pairs on CPU
+(`tqcompile.ops.gemm.fp8_gemm_cpu`: CPU `_scaled_mm`'s own computation in plain torch), so the
+operands' upcast and scale fuse too; the matmul stays an external kernel, the same BLAS call.
 
 The numerics cannot drift from the eager kernels: a decomposition *is* the reference kernel.
 
@@ -67,6 +67,14 @@ def _dequantize(data, scale_inv, amax, quantizer, dtype):
     return reference.dequantize(data, scale_inv, amax, quantizer, dtype)
 
 
+def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype):
+    from tqcompile.ops.gemm import fp8_gemm_cpu, fp8_pair_on_cpu
+
+    if not fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
+        return NotImplemented
+    return fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
+
+
 @functools.cache
 def register_inductor_decompositions() -> None:
     """Give inductor the reference kernels of the `tqcompile` ops as decompositions (idempotent)."""
@@ -78,6 +86,7 @@ def register_inductor_decompositions() -> None:
         (ops.amax.default, _amax),
         (ops.quantize.default, _quantize),
         (ops.dequantize.default, _dequantize),
+        (ops.gemm_tn.default, _gemm_tn),
     ):
         decompositions.setdefault(op, fn)
         # Where a decomposition declines (NotImplemented: not fusable, or not CPU) the op stays in the
