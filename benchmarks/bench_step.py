@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after 2 warm-up steps)")
     args = parser.parse_args()
 
+    # Every variant compiles the same Block.forward code object once per backend: without a higher
+    # limit the later variants hit Dynamo's recompile limit (8) and silently run eagerly.
+    torch._dynamo.config.recompile_limit = 64
     torch.manual_seed(0)
     base = Model(args.dim, args.ffn, args.blocks, args.heads)
     x = torch.randn(args.batch, args.seq, args.dim)
