@@ -8,6 +8,11 @@ step is forward, backward and an SGD update. Every configuration runs `--runs` t
 medians, plus the cold compile time (the first step, compile included) and the SQNR of the first
 step's output against the high-precision model, so speed is compared at equal numerics.
 
+Caveat (measured, cause not located yet): with all variants in one process, tq's inductor step
+measured 481 ms against 295 ms when its model is the only one compiled in the process; torchao's
+did not change. Compare against a run with `--backends inductor` and one recipe, or see
+docs/performance.md.
+
     python benchmarks/bench_step.py                      # CPU: D=256, F=768, 4 blocks, batch 8x128
     python benchmarks/bench_step.py --recipes fp8_tensorwise fp8_rowwise --runs 5
     python benchmarks/bench_step.py --backends eager aot_eager inductor
