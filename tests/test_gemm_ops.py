@@ -142,16 +142,22 @@ def _spy_scaled_mm(mp, calls):
     mp.setattr(torch, "_scaled_mm", spy)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    m=st.integers(1, 48),
-    n=st.integers(1, 48),
-    k=st.integers(1, 96),
-    qa=_SCALED_MM_QUANTIZERS,
-    qb=_SCALED_MM_QUANTIZERS,
-    out_dtype=_OUT_DTYPES,
-    seed=st.integers(0, 2**16),
-)
+def _fp8_pair_cases(test):
+    """The hypothesis cases of the FP8 tensorwise/rowwise GEMM tests: shapes, quantizers, output dtype, seed."""
+    return settings(max_examples=40, deadline=None)(
+        given(
+            m=st.integers(1, 48),
+            n=st.integers(1, 48),
+            k=st.integers(1, 96),
+            qa=_SCALED_MM_QUANTIZERS,
+            qb=_SCALED_MM_QUANTIZERS,
+            out_dtype=_OUT_DTYPES,
+            seed=st.integers(0, 2**16),
+        )(test)
+    )
+
+
+@_fp8_pair_cases
 def test_scaled_mm_path_equals_emulation_when_arithmetic_is_exact(m, n, k, qa, qb, out_dtype, seed):
     """Where fp32 arithmetic is exact, the CPU FP8 path equals the emulation bit for bit: the
     scales (tensorwise, per row, transposed for b) are applied exactly as the emulation applies them."""
@@ -160,16 +166,7 @@ def test_scaled_mm_path_equals_emulation_when_arithmetic_is_exact(m, n, k, qa, q
     assert_bitwise_equal(out, _emulated(a, qa, b, qb, out_dtype))
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    m=st.integers(1, 48),
-    n=st.integers(1, 48),
-    k=st.integers(1, 96),
-    qa=_SCALED_MM_QUANTIZERS,
-    qb=_SCALED_MM_QUANTIZERS,
-    out_dtype=_OUT_DTYPES,
-    seed=st.integers(0, 2**16),
-)
+@_fp8_pair_cases
 def test_cpu_fp8_path_equals_torch_scaled_mm(m, n, k, qa, qb, out_dtype, seed):
     """On CPU, FP8 tensorwise/rowwise pairs are computed by `fp8_gemm_cpu` (plain torch, so inductor
     can fuse it), not by calling `torch._scaled_mm`: it must equal CPU `torch._scaled_mm` bit for
@@ -200,16 +197,7 @@ def _dot_error_bound(a64: torch.Tensor, b64: torch.Tensor, out_dtype: torch.dtyp
     return bound
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    m=st.integers(1, 48),
-    n=st.integers(1, 48),
-    k=st.integers(1, 96),
-    qa=_SCALED_MM_QUANTIZERS,
-    qb=_SCALED_MM_QUANTIZERS,
-    out_dtype=_OUT_DTYPES,
-    seed=st.integers(0, 2**16),
-)
+@_fp8_pair_cases
 def test_scaled_mm_path_within_fp32_accumulation_of_exact(m, n, k, qa, qb, out_dtype, seed):
     """With general operands, `torch._scaled_mm` and the emulation are NOT always bitwise equal on
     CPU (torch 2.13): for some shapes the BLAS kernel it picks sums in another order (1-ulp
