@@ -9,15 +9,13 @@ concatenated data, which is what an amax reduced over the group must reproduce b
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tqcompile as tq
+from tqcompile.testing import run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 WORLD_SIZE = 2
@@ -100,20 +98,6 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=120)
-    )
-    try:
-        _rank_checks(rank, out_dir)
-    except BaseException:
-        # mp.spawn shows only the exception type and message of a failed rank; keep the trace.
-        with open(f"{out_dir}/rank{rank}.error", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _inner(qx: tq.QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -122,12 +106,7 @@ def _inner(qx: tq.QuantizedTensor) -> dict[str, torch.Tensor]:
 
 def test_amax_group_two_ranks(tmp_path):
     # A file store instead of a TCP port: nothing to race for with other jobs on the machine.
-    try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
-    except Exception as e:
-        traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
-        raise AssertionError(f"a rank failed:\n{traces or e}") from e
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    ranks = run_ranks(_rank_checks, WORLD_SIZE, tmp_path)
     full = torch.cat([_local_data(r) for r in range(WORLD_SIZE)])
 
     global_amax = tq.ops.amax(full, FP8)

@@ -14,17 +14,15 @@ and one spawn of two ranks that each compile two forward-only layers.
 from __future__ import annotations
 
 import copy
-import datetime
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import tqcompile as tq
+from tqcompile.testing import run_ranks
 from tqcompile.testing.compile import CompileCounter
 
 E, D, H, T = 4, 64, 128, 96
@@ -159,32 +157,13 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=120)
-    )
-    try:
-        _rank_checks(rank, out_dir)
-    except BaseException:
-        # mp.spawn shows only the exception type and message of a failed rank; keep the trace.
-        with open(f"{out_dir}/rank{rank}.error", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_amax_group_reduces_per_expert_amaxes(tmp_path):
     """With `amax_group`, each expert's activation amax is the max over the ranks of that expert's
     tokens (an (E,) MAX all-reduce, traced under fullgraph=True), and the layer's output is the
     grouped GEMM quantized with it, bit for bit."""
-    try:
-        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
-    except Exception as e:
-        traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
-        raise AssertionError(f"a rank failed:\n{traces or e}") from e
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    ranks = run_ranks(_rank_checks, WORLD_SIZE, tmp_path)
     for name in ("fp8_tensorwise", "nvfp4"):
         local = [r[name]["local"] for r in ranks]
         want = torch.maximum(*local)

@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
-import time
-import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import tqcompile as tq
+from tqcompile.testing import run_ranks
 
 WORLD_SIZE = 2
 JOIN_TIMEOUT_S = 300
@@ -179,36 +176,6 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=120)
-    )
-    try:
-        _rank_checks(rank, out_dir)
-    except BaseException:
-        with open(f"{out_dir}/rank{rank}.error", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(tmp_path) -> list[dict]:
-    ctx = mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):  # raises as soon as a rank fails (and ends the others)
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise AssertionError(f"the ranks did not finish within {JOIN_TIMEOUT_S} s")
-    except Exception as e:
-        traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
-        raise AssertionError(f"a rank failed:\n{traces or e}") from e
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
-
-
 def _amaxes(state: dict) -> dict:
     return {(n, s): e[s]["amax"] for n, e in state["modules"].items() for s in ("input", "weight", "output")}
 
@@ -234,7 +201,7 @@ def one_thread():
 
 
 def test_ptq_two_ranks(tmp_path, one_thread):
-    ranks = _spawn(tmp_path)
+    ranks = run_ranks(_rank_checks, WORLD_SIZE, tmp_path, deadline_s=JOIN_TIMEOUT_S)
     union = _batches(0) + _batches(1)
 
     # 1. Distributed calibration equals a single process on the union of the data.

@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -40,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tqcompile as tq
 from tqcompile.distributed import tp_comm
 from tqcompile.models import GPT, GPTConfig, parallelize_gpt, quantize_model
+from tqcompile.testing import run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 WORLD = 2
@@ -458,44 +456,8 @@ def _rank_checks_2d(rank: int, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
-def _worker(rank: int, checks, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
-    try:
-        checks(rank, out_dir)
-    except BaseException:
-        # mp shows only the exception type and message of a failed rank; keep the trace.
-        with open(f"{out_dir}/rank{rank}.error", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(checks, world: int, tmp_path) -> list[dict]:
-    """Run `checks(rank, out_dir)` on `world` gloo ranks; fail at once if one fails, or at the deadline."""
-    context = mp.start_processes(
-        _worker, args=(checks, world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        # join() raises as soon as one rank fails (and terminates the others).
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the ranks did not finish within {DEADLINE_S} s")
-    except Exception as e:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-        traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
-        raise AssertionError(f"a rank failed:\n{traces or e}") from e
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
 def test_tensor_parallel_two_ranks(tmp_path):
-    ranks = _spawn(_rank_checks, WORLD, tmp_path)
+    ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=DEADLINE_S)
     for r, res in enumerate(ranks):
         assert res["compile"] == (CFG.n_layer, 0, 0), f"rank {r}: (graphs, recompiles, graph breaks) = {res['compile']}"
     assert ranks[0]["parity"] == ranks[1]["parity"], "every rank computes the same loss"
@@ -507,7 +469,7 @@ def test_tensor_parallel_two_ranks(tmp_path):
 
 
 def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(tmp_path):
-    ranks = _spawn(_rank_checks_2d, 2 * WORLD, tmp_path)
+    ranks = run_ranks(_rank_checks_2d, 2 * WORLD, tmp_path, deadline_s=DEADLINE_S)
     for r, res in enumerate(ranks):
         assert res == ranks[0], f"rank {r} disagrees with rank 0: {res} vs {ranks[0]}"
         # Compiled in step 1 (FSDP2's hooks around the block are traced as frames of their own),

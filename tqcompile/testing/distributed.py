@@ -1,0 +1,68 @@
+"""Run a check on several CPU processes over gloo, for tests: fast failure, no hang.
+
+    def _checks(rank: int, out_dir: str) -> None:      # module level: the ranks are spawned
+        ...
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+    ranks = tq.testing.distributed.run_ranks(_checks, 2, tmp_path)   # [rank 0's results, rank 1's]
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks"]
+
+
+def _worker(rank: int, checks: Callable[[int, str], None], world: int, out_dir: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    # A file store, not a TCP port: nothing to race for with other jobs on the machine.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        checks(rank, out_dir)
+    except BaseException:
+        # torch.multiprocessing shows only a failed rank's exception type and message: keep the trace.
+        Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    checks: Callable[[int, str], None], world: int, out_dir: str | Path, *, deadline_s: float = 600, timeout_s: float = 120
+) -> list:
+    """Run `checks(rank, out_dir)` on `world` spawned gloo ranks and return what each rank saved
+    with ``torch.save(..., f"{out_dir}/rank{rank}.pt")``, in rank order.
+
+    A rank that raises fails the call at once (the others are killed) with every failed rank's
+    traceback; ranks still running after `deadline_s` are killed and the call fails. Each rank's
+    collectives time out after `timeout_s`, and its process group is destroyed in any case.
+    `checks` must be importable by name (a module-level function, or a `functools.partial` of one).
+    """
+    out_dir = str(out_dir)
+    context = mp.start_processes(
+        _worker, args=(checks, world, out_dir, timeout_s), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + deadline_s
+    try:
+        # join() raises as soon as one rank fails (and terminates the others).
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the ranks did not finish within {deadline_s} s")
+    except Exception as e:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+        traces = "\n".join(p.read_text() for p in sorted(Path(out_dir).glob("rank*.error")))
+        raise AssertionError(f"a rank failed:\n{traces or e}") from e
+    return [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
