@@ -1,28 +1,30 @@
 """Token counts and recompiles: how many graphs a quantized linear needs as the token count varies,
 against `nn.Linear` (issue 6, item 9).
 
-Known limit, measured on torch 2.13 (aot_eager), forward and backward alike: once the token count
-T is dynamic, every recipe whose columnwise (wgrad) operand is quantized in 1-D blocks along T
-compiles one extra graph for T equal to one block: MXFP8 (T=32), NVFP4 (T=16), FP8 1x128 blocks
-(`fp8_blockwise`, T=128). Their columnwise scale has shape (K, T // block). AOTAutograd's tracer
-records every tensor of the graph it builds, and for the scale returned by `tqcompile::quantize`
-it asks whether that tensor is contiguous:
-`torch/fx/experimental/proxy_tensor.py` `set_meta` -> `torch/fx/passes/shape_prop.py`
-`_extract_tensor_metadata` -> `torch/_prims_common/__init__.py:285`
-(`check_contiguous_sizes_strides`: `if maybe_guard_or_false(x == 1)`, a dim of size 1 is
-skipped). With x = T // block, a backed symbol whose value may be 1, `guard_or_false` installs the
-guard `(x.size()[0] // 32) != 1`. `nn.Linear` has only T itself, which Dynamo already assumes is
-not 1 (its range starts at 2), so it asks nothing.
+Fixed: a token count T of exactly one block (32 for MXFP8, 16 for NVFP4, 128 for FP8 1x128
+blocks) used to compile one extra graph once T was dynamic, forward and training alike. The
+recipes' columnwise (wgrad) operands are quantized in 1-D blocks along T, and their scale had
+shape (K, T // block). AOTAutograd's tracer records every tensor of the graph it builds and asks
+whether it is contiguous: `torch/fx/experimental/proxy_tensor.py` `set_meta` ->
+`torch/fx/passes/shape_prop.py` `_extract_tensor_metadata` -> `torch/_prims_common/__init__.py:285`
+(`check_contiguous_sizes_strides`: `if maybe_guard_or_false(x == 1)`, skipping dims of size 1).
+With x = T // block, a backed symbol whose value may be 1, `guard_or_false` installed the guard
+`(x.size()[0] // 32) != 1` (torch 2.13). `nn.Linear` has only T itself, which Dynamo already
+assumes is not 1.
 
-What was tried: no tqcompile code compares a size with 1, and no op-local change helps, because
-torch asks this of *any* graph tensor with a T // block dim (the op's output, a view of it, a
-saved tensor), whatever its strides (a transposed layout moves the question to a stride:
-`guard_or_true(T // block != 1)`). What removes it: a flat (1-D) columnwise scale, K * (T // block)
-elements (measured with MXFP8 forward: 2 graphs, as nn.Linear; K >= 2 makes its size provably not 1), which changes
-the QuantizedTensor layout that FSDP2, the TP collectives and the slicing handlers rely on; or
-torch's global `torch.fx.experimental._config.backed_size_oblivious = True` (2 graphs for MXFP8), which
-changes 0/1 specialisation for the whole program and so is not set by a library. The cost today
-is one compile per layer shape, once.
+No op-local change avoids it: torch asks this of *any* graph tensor with a T // block dim (the
+op's output, a view of it, a saved tensor), whatever its strides (a transposed layout moves the
+question to a stride, `guard_or_true(T // block != 1)`). The fix is the layout: a columnwise usage
+keeps 1-D block scales flat, (K * (T // block),), whose size is provably not 1
+(`Quantizer.flat_columnwise_scale`; `tqcompile::quantize(..., flat_scale=True)` returns them so).
+torch's global `torch.fx.experimental._config.backed_size_oblivious = True` also removes the guard,
+but changes 0/1 specialisation for the whole program, so a library must not set it.
+
+Graphs for T = 2, 3, 1, 4 blocks, measured before -> after: MXFP8, NVFP4 and FP8 1x128 each
+3 -> 2, as nn.Linear (2), with or without backward. Still open: 2-D block scales (16x16, 128x128)
+on a T-dependent operand (the recipes use them for weights only), a QuantizedTensor's `t()` (its
+rowwise scale is 2-D again), and sequence-parallel gathers, which view the scale as
+(K, T // block) to interleave the ranks' pieces.
 """
 
 from __future__ import annotations
@@ -60,7 +62,6 @@ def test_token_counts_compile_like_nn_linear():
 ONE_BLOCK_CASES = [("mxfp8", 32, 64), ("nvfp4", 16, 64), ("fp8_blockwise", 128, 128)]
 
 
-@pytest.mark.xfail(strict=True, reason="torch guards T // block != 1 on the columnwise scale's contiguity (module docstring)")
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "training"])
 @pytest.mark.parametrize(("recipe", "block", "k"), ONE_BLOCK_CASES, ids=[c[0] for c in ONE_BLOCK_CASES])
 def test_one_block_of_tokens_does_not_recompile(recipe, block, k, backward):
