@@ -21,7 +21,8 @@ torch's global `torch.fx.experimental._config.backed_size_oblivious = True` also
 but changes 0/1 specialisation for the whole program, so a library must not set it.
 
 Graphs for T = 2, 3, 1, 4 blocks, measured before -> after: MXFP8, NVFP4 and FP8 1x128 each
-3 -> 2, as nn.Linear (2), with or without backward. Still open: 2-D block scales (16x16, 128x128)
+3 -> 2, as nn.Linear (2), with or without backward; `GroupedLinear` on (experts, T, K) inputs
+likewise (MXFP8, NVFP4, FP8 1x128: 3 -> 2). Still open: 2-D block scales (16x16, 128x128)
 on a T-dependent operand (the recipes use them for weights only), a QuantizedTensor's `t()` (its
 rowwise scale is 2-D again), and sequence-parallel gathers, which view the scale as
 (K, T // block) to interleave the ranks' pieces.
@@ -38,12 +39,13 @@ from tqcompile.testing.compile import CompileCounter
 TOKEN_COUNTS = (64, 96, 128, 160)
 
 
-def _frames(layer: torch.nn.Module, token_counts, backward: bool = False) -> int:
+def _frames(layer: torch.nn.Module, token_counts, backward: bool = False, lead: tuple[int, ...] = ()) -> int:
+    """Graphs compiled for inputs of shape (*lead, T, in_features), T in `token_counts` (training: with `.backward()`)."""
     torch.compiler.reset()
     counter = CompileCounter("aot_eager")
     f = torch.compile(layer, backend=counter, fullgraph=True)
     for t in token_counts:
-        x = torch.randn(t, layer.in_features, requires_grad=backward)
+        x = torch.randn(*lead, t, layer.in_features, requires_grad=backward)
         y = f(x)
         if backward:
             y.sum().backward()
@@ -70,3 +72,14 @@ def test_one_block_of_tokens_does_not_recompile(recipe, block, k, backward):
     want = _frames(torch.nn.Linear(k, k), counts, backward)
     assert want == 2
     assert _frames(tq.nn.Linear(k, k, recipe=tq.recipes.get(recipe)), counts, backward) == want
+
+
+@pytest.mark.parametrize(("recipe", "block"), [("mxfp8", 32), ("nvfp4", 16)])
+def test_grouped_linear_one_block_of_tokens_does_not_recompile(recipe, block):
+    """`GroupedLinear` on (experts, T, K) inputs had the same extra graph (measured 3 -> 2)."""
+    torch.manual_seed(0)
+    counts = (2 * block, 3 * block, block, 4 * block)
+    experts = tq.nn.GroupedLinear(2, 64, 64, recipe=tq.recipes.get(recipe))
+    want = _frames(torch.nn.Linear(64, 64), counts, backward=True, lead=(2,))
+    assert want == 2
+    assert _frames(experts, counts, backward=True, lead=(2,)) == want
