@@ -7,7 +7,7 @@ again along its rows) and a RowwiseParallel fc2 (weight split on K). Each rank c
 1. scales with a planted outlier that only rank 3 holds (the other dp *and* tp coordinate): the
    weights FSDP2 gathers quantized equal the single-process quantization's TP-local slice bit for
    bit (tensor amaxes over both groups, per-row scales over a TP-split K), and the gather did not
-   fall back to high precision;
+   fall back to high precision; a shard that cuts 128x128 blocks warns and gathers in high precision;
 2. parity: a few AdamW steps against one process for every recipe (nvfp4 with round-to-nearest
    gradients), and the gathered weight's recorded amax group (the TP group);
 3. bytes: FSDP2's weight all-gather over the dp dim, against the same model gathered in bf16;
@@ -181,6 +181,21 @@ def _check_planted_outlier(rank: int, mesh) -> dict:
     return checked
 
 
+def _check_cut_blocks(rank: int, mesh) -> bool:
+    """A 2-D shard that cuts blocks follows the 1-D rule: a warning naming the layer, a high-precision
+    gather, and the TP layer quantizes the gathered piece itself (the same result)."""
+    torch.manual_seed(2)
+    single = tq.convert(nn.Sequential(nn.Linear(D, D, bias=False)), tq.recipes.fp8_blockwise(), fsdp_quantized_all_gather=True)
+    model = copy.deepcopy(single)
+    parallelize_module(model[0], mesh["tp"], tq.distributed.ColwiseParallel())
+    fully_shard(model, mesh=mesh["dp"])
+    x = _batches()[0]
+    with pytest.warns(tq.distributed.QuantizedAllGatherWarning, match=r"shards of 64 rows, which cut its 128x128 blocks"):
+        y = model(x)
+    assert_bitwise_equal(y, single(x).chunk(2, dim=-1)[mesh["tp"].get_local_rank()], "cut blocks: output")
+    return True
+
+
 # --- 2. parity, 4. compile, 5. DCP ----------------------------------------------------------------------
 def _check_parity(rank: int, mesh) -> dict:
     batches = _batches()
@@ -288,6 +303,7 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     results, timings = {}, {}
     for name, check in (
         ("outlier", lambda: _check_planted_outlier(rank, mesh)),
+        ("cut_blocks", lambda: _check_cut_blocks(rank, mesh)),
         ("parity", lambda: _check_parity(rank, mesh)),
         ("dcp", lambda: _check_dcp(rank, mesh, out_dir)),
         ("bytes", lambda: _check_bytes(rank, mesh)),
