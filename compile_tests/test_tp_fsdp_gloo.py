@@ -14,7 +14,9 @@ again along its rows) and a RowwiseParallel fc2 (weight split on K). Each rank c
 4. compile: blocks compiled fullgraph (aot_eager) before fully_shard: no graph break, and no new
    graph or recompile after step 1;
 5. DCP: the fp8_delayed run saved with tq.distributed.checkpoint on the 2-D mesh; the parent
-   loads it into one process (parameters, optimizer state and amax histories bit for bit);
+   loads it into one process (parameters, optimizer state and amax histories bit for bit), and
+   the ranks load a one-process checkpoint (1 -> TP2xFSDP2, bit for bit); a fused colwise weight
+   that FSDP2 also shards is refused by save with a clear error;
 6. HSDP on a 2x2 (replicate x shard) mesh: losses equal one process; the amax group is the shard dim's.
 """
 
@@ -235,9 +237,12 @@ def _check_parity(rank: int, mesh) -> dict:
     return worst
 
 
-def _check_dcp(rank: int, mesh, out_dir: str) -> tuple[dict, dict]:
+def _check_dcp(rank: int, out_dir: str) -> tuple[dict, dict, tuple]:
     """fp8_delayed (amax histories) trained on the 2-D mesh, saved with DCP; returns what it held.
-    Plain (unfused) colwise layers: a fused one is refused with a clear error (checkpoint.save)."""
+    Plain (unfused) colwise layers: a fused one is refused with a clear error (checkpoint.save).
+    On a mesh made again (as the sharded demo does per run): its tp sub-mesh may resolve to a group
+    of another name than the DTensor spec's; the gathered weight must record the layer's own."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _shard(_model(tq.recipes.fp8_delayed(), gated=False), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, _batches()[:2], opt)
@@ -252,7 +257,16 @@ def _check_dcp(rank: int, mesh, out_dir: str) -> tuple[dict, dict]:
     fused = _shard(_model(tq.recipes.fp8_delayed()), mesh)
     with pytest.raises(ValueError, match=r"'blocks.0.fc1.weight' is placed .*fused_chunks=1"):
         tq.distributed.checkpoint.save(fused, None, f"{out_dir}/refused")
-    return state, optim
+
+    # One process (saved by the test before the spawn) -> TP2xFSDP2.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    model = _shard(_model(tq.recipes.fp8_delayed(), gated=False), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tq.distributed.checkpoint.load(model, opt, f"{out_dir}/single")
+    full = StateDictOptions(full_state_dict=True)  # whole tensors on every rank
+    loaded = (get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full))
+    return state, optim, loaded
 
 
 # --- 3. bytes -------------------------------------------------------------------------------------------
@@ -305,7 +319,7 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         ("outlier", lambda: _check_planted_outlier(rank, mesh)),
         ("cut_blocks", lambda: _check_cut_blocks(rank, mesh)),
         ("parity", lambda: _check_parity(rank, mesh)),
-        ("dcp", lambda: _check_dcp(rank, mesh, out_dir)),
+        ("dcp", lambda: _check_dcp(rank, out_dir)),
         ("bytes", lambda: _check_bytes(rank, mesh)),
         ("hsdp", lambda: _check_hsdp(rank)),
     ):
@@ -333,8 +347,20 @@ def _load_single_process(path: Path) -> tuple[dict, dict]:
     return state, optim
 
 
+def _single_process_checkpoint(path: Path) -> tuple[dict, dict]:
+    """A one-process fp8_delayed model trained 2 steps, saved for the ranks to load."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = _model(tq.recipes.fp8_delayed(), quantized_all_gather=False, gated=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, _batches()[1:], opt)
+    tq.distributed.checkpoint.save(model, opt, path)
+    return get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+
+
 def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
     start = time.perf_counter()
+    single = _single_process_checkpoint(tmp_path / "single")
     ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=600)
     res = ranks[0]
     for name in RECIPES:
@@ -349,11 +375,17 @@ def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
     for name, limit in limits.items():
         assert res["bytes"][name] <= limit, f"{name}: weight all-gather {res['bytes'][name]:.3f}x bf16 (limit {limit})"
     # DCP TP2xFSDP2 -> 1: what the 4 ranks held, loaded into one process, bit for bit.
-    saved_state, saved_optim = res["dcp"]
+    saved_state, saved_optim, _ = res["dcp"]
     state, optim = _load_single_process(tmp_path / "ckpt")
     assert saved_state.keys() == state.keys() and any("amax_history" in k for k in state)
     assert_bitwise_equal(state, saved_state, "model state (parameters and amax histories)")
     assert_bitwise_equal(optim, saved_optim, "optimizer state")
+    # DCP 1 -> TP2xFSDP2: every rank's whole view of what it loaded is the one-process state.
+    for r, rr in enumerate(ranks):
+        loaded_model, loaded_optim = rr["dcp"][2]
+        assert any("amax_history" in k for k in loaded_model)
+        assert_bitwise_equal(loaded_model, single[0], f"rank {r}: loaded model state")
+        assert_bitwise_equal(loaded_optim, single[1], f"rank {r}: loaded optimizer state")
     print("\nTP2xFSDP2 parity (max relative loss diff, max relative param-norm diff):", {k: v for k, v in res["parity"].items()})
     print("weight all-gather bytes / bf16:", {k: round(v, 3) if k != "bf16" else v for k, v in res["bytes"].items()})
     print("seconds per check (rank 0):", {k: round(v, 1) for k, v in res["timings"].items()})

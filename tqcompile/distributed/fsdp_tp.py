@@ -71,7 +71,13 @@ def tp_split(fsdp_param: Any, module: Any) -> TPSplit | None:
     # _StridedShard (a fused colwise weight) is no Shard subclass in torch 2.13; both have `dim`.
     if not isinstance(placement, (Shard, _StridedShard)) or placement.dim not in (0, 1):
         return None
-    return TPSplit(spec.mesh.get_group().group_name, placement.dim)
+    # The layer's own TP group, not the spec mesh's: the two have the same ranks, but a mesh made
+    # again (init_device_mesh per run, as the sharded demo does) may resolve to another group
+    # object of another name, and the layer checks the name it reduces over.
+    tp = module._tp
+    if spec.mesh.size() != tp.world:
+        return None
+    return TPSplit(tp.group, placement.dim)
 
 
 def _finite_row_amax(x: torch.Tensor) -> torch.Tensor:
