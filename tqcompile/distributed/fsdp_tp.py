@@ -58,11 +58,12 @@ def tp_split(fsdp_param: Any, module: Any) -> TPSplit | None:
     """The TP split of `fsdp_param`'s DTensor weight when `module` is a tqcompile TP layer (whose
     forward takes a quantized local weight), else None (gathered in high precision, as before).
 
-    Reads FSDP2's `_unsharded_dtensor_spec` (private; torch 2.13): the DTensor spec of the
-    parameter before FSDP2 sharded it, i.e. the TP mesh and placement."""
+    Reads FSDP2's private DTensor spec of the parameter before FSDP2 sharded it (the TP mesh and
+    placement): `_unsharded_dtensor_spec` on torch 2.13 (checked), `_tp_spec` on earlier releases
+    (the name in their source; not run here)."""
     if getattr(module, "_tp", None) is None:
         return None
-    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None) or getattr(fsdp_param, "_tp_spec", None)
     if spec is None or spec.mesh.ndim != 1:
         return None
     placement = spec.placements[0]
