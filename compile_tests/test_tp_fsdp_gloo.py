@@ -5,8 +5,9 @@ projection, `fused_chunks=2`, so TP places it `_StridedShard` and FSDP2 shards t
 again along its rows) and a RowwiseParallel fc2 (weight split on K). Each rank checks:
 
 1. scales with a planted outlier that only rank 3 holds (the other dp *and* tp coordinate): the
-   weights FSDP2 gathers quantized equal the single-process quantization's TP-local slice bit for
-   bit (tensor amaxes over both groups, per-row scales over a TP-split K), and the gather did not
+   weights FSDP2 gathers quantized, both usages, equal the single-process quantization's TP-local
+   slice bit for bit (tensor amaxes over both groups, per-row scales over a TP-split K, per-column
+   amaxes of the columnwise usage over dp and a TP-split N), and the gather did not
    fall back to high precision; a shard that cuts 128x128 blocks warns and gathers in high precision;
 2. parity: a few AdamW steps against one process for every recipe (nvfp4 with round-to-nearest
    gradients), and the gathered weight's recorded amax group (the TP group);
@@ -95,11 +96,11 @@ def _model(recipe: tq.Recipe, quantized_all_gather: bool = True, gated: bool = T
     return tq.convert(Net(gated), recipe, fsdp_quantized_all_gather=quantized_all_gather)
 
 
-def _shard(model: Net, mesh, compile_with=None, mp=None) -> Net:
+def _shard(model: Net, mesh, compile_with=None, mp=None, **fsdp_kwargs) -> Net:
     """TP on mesh["tp"], then compile each block, then FSDP2 on mesh["dp"] (the torchtitan order)."""
     chunks = 2 if model.blocks[0].gated else 1
     plan = {"fc1": tq.distributed.ColwiseParallel(fused_chunks=chunks), "fc2": tq.distributed.RowwiseParallel()}
-    kwargs = {} if mp is None else {"mp_policy": mp}
+    kwargs = fsdp_kwargs if mp is None else {"mp_policy": mp, **fsdp_kwargs}
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], plan)
         if compile_with is not None:
@@ -166,15 +167,20 @@ def _check_planted_outlier(rank: int, mesh) -> dict:
             model.blocks[0].fc1.weight[2 * HIDDEN - 3, 5] = 300.0
             model.blocks[0].fc2.weight[D - 2, HIDDEN - 7] = -300.0
         single = copy.deepcopy(model)
-        _shard(model, mesh)
+        # Not resharded after forward: one gather brings both usages (the columnwise one with its
+        # per-column amaxes reduced over dp, and over tp for the colwise fc1).
+        _shard(model, mesh, reshard_after_forward=False)
         q = recipe.fprop_weight
-        model.blocks[0].unshard()  # the forward's gather (rowwise usage)
+        model.blocks[0].unshard()
         for layer, dim, chunks in (("fc1", 0, 2), ("fc2", 1, 1)):
             gathered = getattr(model.blocks[0], layer).weight.to_local()
             assert isinstance(gathered, tq.QuantizedTensor), f"{name} {layer}: gathered {type(gathered).__name__}"
             assert gathered.amax_group_name == mesh["tp"].get_group().group_name
-            ref = tq.quantize(getattr(single.blocks[0], layer).weight.detach(), q)
-            want = {n: _tp_slice(getattr(ref, n), dim, tp_rank, chunks) for n in ("_data", "_scale_inv")}
+            ref = tq.quantize(getattr(single.blocks[0], layer).weight.detach(), q, rowwise=True, columnwise=True)
+            want = {
+                n: _tp_slice(getattr(ref, n), dim if not n.endswith("_t") else 1 - dim, tp_rank, chunks)
+                for n in ("_data", "_scale_inv", "_data_t", "_scale_inv_t")
+            }
             assert_bitwise_equal({n: getattr(gathered, n) for n in want}, want, f"{name} {layer}")
             if q.uses_tensor_amax():
                 assert torch.equal(gathered._amax, ref._amax), f"{name} {layer}: amax {gathered._amax} vs {ref._amax}"
