@@ -324,3 +324,23 @@ def test_fsdp_quantized_all_gather_keeps_tied_weights_tied():
         warnings.simplefilter("error", tq.distributed.QuantizedAllGatherWarning)
         tq.convert(aliased, RECIPE, fsdp_quantized_all_gather=True)
     assert isinstance(aliased["b"].weight.data, tq.distributed.QuantizedWeight)
+
+
+def test_convert_after_fully_shard_names_the_layer_and_the_order(tmp_path):
+    # Sharding first made the first forward fail inside FSDP2's lazy init with
+    # "'QuantizedWeight' object has no attribute '_local_tensor'", which names neither the layer nor the fix.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(
+            ValueError, match=r"layer '0' is already sharded: its weight is a DTensor.*Convert the unsharded model first"
+        ):
+            tq.convert(model, RECIPE)
+        assert not any(isinstance(m, tq.nn.Linear) for m in model.modules())  # nothing converted
+    finally:
+        dist.destroy_process_group()

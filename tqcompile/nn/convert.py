@@ -208,6 +208,27 @@ def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]
     return owners
 
 
+def _check_not_sharded(modules: dict[str, nn.Module], plan: list[PlannedConversion]) -> None:
+    """Refuse, before changing anything, layers whose parameters fully_shard or parallelize_module already made DTensors.
+
+    Converting them anyway failed far from the cause: FSDP2's lazy init raised
+    "'QuantizedWeight' object has no attribute '_local_tensor'" at the first forward, and torch's TP
+    styles have no sharding rule for the tqcompile ops."""
+    from torch.distributed.tensor import DTensor
+
+    for p in plan:
+        if p.action != "convert":
+            continue
+        for p_name, param in modules[p.name].named_parameters(recurse=False):
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"tq.convert: layer {p.name!r} is already sharded: its {p_name} is a DTensor with placements "
+                    f"{tuple(param.placements)} (made by fully_shard or parallelize_module). Convert the unsharded model "
+                    "first, then shard it: tq.convert, then tq.distributed's TP styles, then torch.compile per block, "
+                    "then fully_shard (docs/distributed.md)"
+                )
+
+
 def conversion_plan(
     model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
 ) -> list[PlannedConversion]:
@@ -283,6 +304,7 @@ def convert(
         raise TypeError(f"tq.convert: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
     plan = conversion_plan(model, recipe, filter_fn=filter_fn)
     modules = dict(model.named_modules())
+    _check_not_sharded(modules, plan)
     for p in plan:
         if p.action == "convert":
             _entry_for(modules[p.name]).convert(modules[p.name], recipe)
