@@ -175,3 +175,18 @@ def test_sharded_table_says_what_its_columns_and_layout_are() -> None:
     assert "final loss: mean of the last 5 steps" in tp_only
     assert re.search(r"^bf16\s+3\.0000\s", tp_only, re.M)
     assert "then fully_shard: FSDP2 gathers in bf16" in format_sharded_table(runs, cfg, fsdp=2, tp=1)
+
+
+def test_parallelize_refuses_a_model_other_than_the_demo_gpt() -> None:
+    # A user's own model failed deep inside with "'Llama' object has no attribute 'blocks'".
+    from torch import nn
+
+    from tqcompile.distributed.parallelize import parallelize
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8)])
+
+    with pytest.raises(TypeError, match=r"shards tqcompile\.models\.GPT only, got Llama; for your own model.*fully_shard"):
+        parallelize(Llama(), mesh=None)
