@@ -24,7 +24,10 @@ What travels, per weight quantizer (fprop and dgrad must share it; see `quantize
 - scales along K only (FP8 rowwise, MX and 1x128 blocks): the forward gathers the rowwise usage,
   the backward re-gather the columnwise one, in equal-size buffers (FSDP fixes the buffer size at
   the first gather). A layer FSDP does not reshard after forward (`reshard_after_forward=False`,
-  and the root module) is gathered once for both passes, so it moves both usages.
+  and the root module) is gathered once for both passes, so it moves both usages. A layer whose
+  forward activation checkpointing recomputes in backward (`tqcompile.distributed.recompute`) gets
+  both usages from the backward re-gather, as the recompute reads the rowwise one; a gather that
+  leaves the rowwise usage unfilled marks the weight so that reading it raises (`_mark_rowwise`).
 
 Which shard shapes keep blocks whole: FSDP shards dim 0 (N). Blocks along K (MX 32, 1x128,
 NVFP4 1x16, FP8 rows) are always whole in the rowwise usage. A 2-D block (128x128, 16x16) or a
