@@ -10,7 +10,7 @@ Checks, per recipe, each against the one-process run and the FSDP2 run without c
 losses and every gradient over 3 AdamW steps, bit for bit:
 (a) checkpoint_wrapper, and composable checkpoint, inside the FSDP2 unit;
 (b) torch.utils.checkpoint.checkpoint inside the forward with tq.distributed.recompute_in_backward;
-    without it: our ValueError (eager);
+    without it: our ValueError (eager, and a compiled MLP called again by that checkpoint);
 (c) a checkpoint_wrapper around FSDP2 units (outside them);
 (d) blocks compiled (aot_eager, fullgraph) in the torchtitan order checkpoint_wrapper -> compile ->
     fully_shard: equal, no graph break, no graph after the first step;
@@ -156,6 +156,16 @@ def _check_compile(rank: int, results: dict) -> None:
         # One graph per block (the ReLU and GELU blocks share the wrapper's code: two graphs), none after step 1.
         assert graphs == [2] * STEPS, graphs
         results[f"graphs_{recipe}"] = (counter.frame_count, counter.graph_breaks)
+
+    # A compiled MLP called again by a function-level checkpoint in an eager forward, not declared:
+    # Dynamo guards on the gathered weight's record of the unfilled usage, recompiles and raises ours.
+    torch.compiler.reset()
+    model = _model("mxfp8")
+    for block in model:
+        block.checkpoint_mlp = True
+        block.mlp = torch.compile(block.mlp, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"layer '1.mlp.fc1': its forward ran during backward .*recompute_in_backward"):
+        _train(_shard(model), steps=1)
 
 
 def _check_bytes(rank: int, results: dict) -> None:
