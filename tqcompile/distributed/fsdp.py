@@ -531,10 +531,12 @@ class QuantizedWeight(torch.Tensor):
 
 
 # A usage this gather did not bring holds NaN, not stale or uninitialised bytes (FSDP2 frees and
-# refills these tensors): a computation that reads it anyway (a forward recomputed by activation
-# checkpointing after a backward re-gather brought only the columnwise usage) then gives NaN, never a
-# finite wrong result. 0xFF is NaN in E4M3, E5M2 and E8M0; NVFP4's E2M1 payload has no NaN, but its
-# E4M3 block scales do, and fp32 scales are filled with NaN.
+# refills these tensors). A forward recomputed after a backward re-gather gets both usages where
+# `tqcompile.distributed.recompute` sees it coming, and raises where it reads an unfilled rowwise
+# usage in Python (`_mark_rowwise`); what is left, a recompute inside a compiled backward graph that
+# nothing declared, reads these NaN (which a ReLU's backward can still turn into zero gradients).
+# 0xFF is NaN in E4M3, E5M2 and E8M0; NVFP4's E2M1 payload has no NaN, but its E4M3 block scales do,
+# and fp32 scales are filled with NaN.
 _USAGE_PARTS = ("_data", "_scale_inv", "_data_t", "_scale_inv_t")
 
 

@@ -167,7 +167,7 @@ def linear(
         )
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     error = linear_input_error(x, weight, recipe, backward)
-    if error is None and getattr(weight, "_rowwise_not_gathered", None):
+    if error is None and isinstance(weight, QuantizedTensor) and getattr(weight, "_rowwise_not_gathered", None):
         # An FSDP2-gathered weight whose backward all-gather left the rowwise usage unfilled, read by a
         # recomputed forward (tqcompile.distributed.fsdp): never a silently wrong result.
         error = (ValueError, weight._rowwise_not_gathered)
