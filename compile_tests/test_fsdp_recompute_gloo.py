@@ -51,10 +51,13 @@ class Block(nn.Module):
     def __init__(self, act: nn.Module) -> None:
         super().__init__()
         self.mlp = MLP(act)
-        self.checkpoint_mlp = False  # torch.utils.checkpoint.checkpoint inside forward: invisible to structure
+        # torch.utils.checkpoint.checkpoint inside forward (invisible to structure): None, "reentrant" or "non_reentrant".
+        self.checkpoint_mlp: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + (checkpoint(self.mlp, x, use_reentrant=False) if self.checkpoint_mlp else self.mlp(x))
+        if self.checkpoint_mlp is None:
+            return x + self.mlp(x)
+        return x + checkpoint(self.mlp, x, use_reentrant=self.checkpoint_mlp == "reentrant")
 
 
 def _model(recipe: str) -> nn.Sequential:
@@ -114,16 +117,15 @@ def _check_parity(rank: int, results: dict) -> None:
             composable_checkpoint(block.mlp)
         _assert_equal(_train(_shard(model)), single, f"{recipe} composable checkpoint inside the unit")
 
-        # (b) function-level checkpoint inside the forward: the switch makes it right ...
+        # (b) function-level checkpoint inside the forward (reentrant in one block, not in the other):
+        # the switch makes it right ...
         model = _model(recipe)
-        for block in model:
-            block.checkpoint_mlp = True
+        model[0].checkpoint_mlp, model[1].checkpoint_mlp = "reentrant", "non_reentrant"
         assert tq.distributed.recompute_in_backward(model) == 4
         _assert_equal(_train(_shard(model)), single, f"{recipe} torch.utils.checkpoint with recompute_in_backward")
         # ... and without it the recomputed forward raises (transposable recipes need nothing).
         model = _model(recipe)
-        for block in model:
-            block.checkpoint_mlp = True
+        model[0].checkpoint_mlp, model[1].checkpoint_mlp = "reentrant", "non_reentrant"
         if recipe == "fp8_tensorwise":
             _assert_equal(_train(_shard(model)), single, f"{recipe} torch.utils.checkpoint")
         else:
@@ -162,7 +164,7 @@ def _check_compile(rank: int, results: dict) -> None:
     torch.compiler.reset()
     model = _model("mxfp8")
     for block in model:
-        block.checkpoint_mlp = True
+        block.checkpoint_mlp = "non_reentrant"
         block.mlp = torch.compile(block.mlp, backend="aot_eager", fullgraph=True)
     with pytest.raises(ValueError, match=r"layer '1.mlp.fc1': its forward ran during backward .*recompute_in_backward"):
         _train(_shard(model), steps=1)
