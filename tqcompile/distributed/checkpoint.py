@@ -70,6 +70,30 @@ def _plain(value):
     return value._tensor if isinstance(value, QuantizedWeight) else value
 
 
+def _check_describable(model: nn.Module) -> None:
+    """Refuse, before any collective, a parameter whose DTensor placements do not describe it.
+
+    Measured on torch 2.13: FSDP2 on the dp dim of a weight that a fused `ColwiseParallel`
+    (`fused_chunks` > 1, placed `_StridedShard(0)` over TP) already splits on dim 0 places it
+    `(_StridedShard(0), _StridedShard(0))`, whose global view is not the weight (`full_tensor()`
+    reorders its rows, and DCP's planner rejects the overlapping chunks). Every rank holds the same
+    parameters, so every rank raises here alike."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor) or len(p.placements) < 2:
+            continue
+        inner = p.placements[-1]
+        if isinstance(inner, _StridedShard) and any(getattr(pl, "dim", None) == inner.dim for pl in p.placements[:-1]):
+            raise ValueError(
+                f"checkpoint.save: parameter {_clean(name)!r} is placed {p.placements}: FSDP2 sharded a fused "
+                "ColwiseParallel weight (fused_chunks > 1) along the same dim again, a layout DTensor cannot describe, "
+                "so its checkpoint would hold its rows in the wrong order. Parallelize that layer with fused_chunks=1 "
+                "(separate projections), or leave it out of fully_shard's dp sharding"
+            )
+
+
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_id: str | os.PathLike) -> None:
     """Save `model` (and `optimizer`) with DCP, sharded as they are, plus the quantization metadata.
 
@@ -78,6 +102,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_i
     """
     import torch.distributed.checkpoint as dcp
 
+    _check_describable(model)
     state = {"model": get_model_state_dict(model), _KEY: json.dumps(quantization_metadata(model), sort_keys=True)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)

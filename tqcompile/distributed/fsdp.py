@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tqcompile import ops
+from tqcompile.distributed.fsdp_tp import TPSplit, reduce_over_tp, tp_split
 from tqcompile.distributed.groups import all_reduce_amax
 from tqcompile.distributed.recompute import recomputed_in_backward
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
@@ -118,6 +119,7 @@ class _Plan:
     columnwise: bool
     buffer_bytes: int  # per rank, equal in every gather of this weight
     high_precision: bool = False  # shards would cut blocks: gather param_dtype, quantize after
+    tp: TPSplit | None = None  # a 2-D (TP x FSDP2) weight: the TP split its amaxes are also reduced over
 
     @property
     def rows(self) -> int:  # padded shard rows
@@ -331,10 +333,14 @@ class QuantizedWeight(torch.Tensor):
                 "fsdp_quantized_all_gather=False to offload"
             )
         group, fsdp_param = found
+        tp = None
         if getattr(fsdp_param, "is_dtensor", False):
-            # Tensor parallel x FSDP2: the weight is also split over the TP group, whose amaxes this
-            # gather does not see; gather in high precision and let the TP layer quantize it.
-            return _Plan(q, shape, world, False, False, 0, high_precision=True)
+            # Tensor parallel x FSDP2 (tqcompile.distributed.fsdp_tp): a weight of a tqcompile TP layer
+            # is gathered quantized with its amaxes also reduced over the TP group; any other DTensor
+            # weight in high precision, quantized by its layer.
+            tp = tp_split(fsdp_param, module)
+            if tp is None:
+                return _Plan(q, shape, world, False, False, 0, high_precision=True)
         if fsdp_param.fsdp_placement.dim != 0:
             raise ValueError(
                 f"tq FSDP2 quantized all-gather: layer {self.layer!r} is sharded on dim {fsdp_param.fsdp_placement.dim}; "
@@ -359,7 +365,7 @@ class QuantizedWeight(torch.Tensor):
         else:  # gathered once for forward and backward
             rowwise = columnwise = True
             both = ("row+col",)
-        plan = _Plan(q, shape, world, rowwise, columnwise, 0)
+        plan = _Plan(q, shape, world, rowwise, columnwise, 0, tp=tp)
         sizes = {"row": _nbytes(plan.parts(True, False)), "col": _nbytes(plan.parts(False, True))}
         sizes["row+col"] = sizes["row"] + sizes["col"]
         return dataclasses.replace(plan, buffer_bytes=max(sizes[b] for b in both))
@@ -397,6 +403,9 @@ class QuantizedWeight(torch.Tensor):
             return (x,), (plan, None, {}, None, param_dtype)
         group_name = group.group_name
         tensor_amax, column_amax = self._amaxes(group_name)
+        row_amax = None
+        if plan.tp is not None:
+            tensor_amax, column_amax, row_amax = self._tp_amaxes(plan, param_dtype, tensor_amax, column_amax)
         if tensor_amax is not None:
             # amax(x.to(bf16)) == bf16(amax(x)): rounding is monotonic, so the cached fp32 amax serves any param_dtype.
             tensor_amax = tensor_amax.to(param_dtype).float()
@@ -413,7 +422,8 @@ class QuantizedWeight(torch.Tensor):
         packed = []
         scales = {}
         if plan.rowwise:
-            data, scale_inv = ops.quantize(x, q, tensor_amax, None)
+            # row_amax: per-row scales along a TP-split K, given their TP-reduced amaxes (fsdp_tp).
+            data, scale_inv = ops.quantize(x, q, tensor_amax if row_amax is None else row_amax, None)
             packed.append(data.view(_U8).reshape(-1))
             if any(name == "_scale_inv" for name, _, _ in plan.parts(True, False)):
                 packed.append(scale_inv.view(_U8).reshape(-1))
@@ -434,7 +444,8 @@ class QuantizedWeight(torch.Tensor):
                 packed.append(scale_inv_t.view(_U8).reshape(-1))
         buf = torch.cat(packed) if packed else x.new_zeros(0, dtype=_U8)
         buf = torch.cat((buf, buf.new_zeros(plan.buffer_bytes - buf.numel()))) if buf.numel() < plan.buffer_bytes else buf
-        meta = (plan, tensor_amax, scales, group_name, param_dtype)
+        # A 2-D weight records the TP group: the one the TP layer checks (its amaxes span both groups).
+        meta = (plan, tensor_amax, scales, group_name if plan.tp is None else plan.tp.group, param_dtype)
         if outer_size[0] % world == 0:
             return (buf,), meta
         # Uneven shards: FSDP2 wants every all-gather input in the padded shard's shape, so the buffer
@@ -442,6 +453,20 @@ class QuantizedWeight(torch.Tensor):
         chunks = math.ceil(buf.numel() / (n * k))
         buf = torch.cat((buf, buf.new_zeros(chunks * n * k - buf.numel())))
         return tuple(buf.view(chunks, n, k).unbind(0)), meta
+
+    def _tp_amaxes(self, plan: _Plan, param_dtype: torch.dtype, tensor_amax, column_amax):
+        """The dp-reduced amaxes further reduced over the TP group (`fsdp_tp.reduce_over_tp`),
+        cached like `_amaxes`, so a backward re-gather of an unchanged weight runs no collective."""
+        key = (self._updates, param_dtype)
+        cached = getattr(self, "_tp_amax_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        x = self._tensor.detach().to(param_dtype)
+        if x.shape[0] < plan.rows:  # padding rows are zeros: they change no row or column amax
+            x = torch.cat((x, x.new_zeros(plan.rows - x.shape[0], x.shape[1])))
+        reduced = reduce_over_tp(self.quantizer, plan.tp, x, tensor_amax, column_amax)
+        self._tp_amax_cache = (key, reduced)
+        return reduced
 
     def _delayed(self, hist: torch.Tensor, amax: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """Delayed scaling: the forward's gather rolls the weight's history once (as the layer does

@@ -89,7 +89,17 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Place
         return
     if isinstance(p, DTensor):
         raise ValueError(f"{type(module).__name__}.{name} is already a DTensor ({p.placements}); parallelize each layer once")
-    module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [placement]), requires_grad=p.requires_grad))
+    from tqcompile.distributed.fsdp import QuantizedWeight
+
+    if isinstance(p, QuantizedWeight):
+        # distribute_tensor returns a plain local tensor; keep the FSDP2 weight wrapper on the local
+        # piece, so a later fully_shard on the dp mesh gathers it quantized (fsdp_tp).
+        dt = distribute_tensor(p._tensor.detach(), mesh, [placement])
+        local = QuantizedWeight(dt.to_local(), p.quantizer, p.layer)
+        dt = DTensor.from_local(local, mesh, [placement], run_check=False, shape=dt.shape, stride=dt.stride())
+    else:
+        dt = distribute_tensor(p.detach(), mesh, [placement])
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
 class _TPLinear:

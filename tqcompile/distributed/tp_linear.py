@@ -107,6 +107,34 @@ def _quantize_gather(x2, recipe: Recipe, group, world, batch, seq_local, what, w
     return tuple(comm.all_gather_tokens([qx, qxw], group, world, batch))
 
 
+def _weight_operand(weight, recipe: Recipe, group: str, split_dim: int, need_dgrad: bool, next_w, what: str):
+    """(fprop operand, whether it also carries dgrad's columnwise usage, whether FSDP2 gathered it).
+
+    A `QuantizedTensor` is the weight FSDP2 all-gathered quantized on a 2-D mesh
+    (`tqcompile.distributed.fsdp_tp`): its amaxes were reduced over the FSDP and the TP group, and
+    it holds the usages this pass needs, so it is used as it is (quantizing it again would be
+    wrong, not just slow). Anything else is the high-precision local shard, quantized here."""
+    r = recipe
+    if isinstance(weight, QuantizedTensor):
+        if not (weight.quantizer == r.fprop_weight == r.dgrad_weight):
+            raise ValueError(
+                f"{what}: the gathered weight was quantized with {weight.quantizer!r}; recipe {r.name!r} wants "
+                f"{r.fprop_weight!r} for fprop and {r.dgrad_weight!r} for dgrad"
+            )
+        if weight.amax_group_name != group:
+            raise ValueError(
+                f"{what}: the gathered weight's amaxes were reduced over group {weight.amax_group_name!r}, not over "
+                f"this layer's TP group {group!r}; its scales would not be the single-process ones"
+            )
+        return weight, need_dgrad, True
+    w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
+    return (
+        comm.quantize_shard(weight, r.fprop_weight, group, split_dim, columnwise=w_shared, amax_history=next_w),
+        w_shared,
+        False,
+    )
+
+
 def _wgrad_operand(qx_gathered: QuantizedTensor, qw_gathered: QuantizedTensor | None) -> QuantizedTensor:
     return qw_gathered if qw_gathered is not None else comm.columnwise_from_rowwise(qx_gathered)
 
@@ -130,7 +158,8 @@ def _roll_histories(histories, current_amaxes, update: bool):
         hist_dy = hist_dy.clone()
     if hist_x is not None and update:
         ops.amax_history_update(hist_x, current_amaxes[0])
-        ops.amax_history_update(hist_w, current_amaxes[1])
+        if hist_w is not None:  # None: an FSDP2-gathered weight, whose gather rolled it
+            ops.amax_history_update(hist_w, current_amaxes[1])
     return hist_dy
 
 
@@ -185,14 +214,15 @@ class _ColwiseLinear(torch.autograd.Function):
                     saved_x = qx.keep_usages(rowwise=False, columnwise=True)
                 else:
                     saved_x = quantize(x2, r.wgrad_input, rowwise=False, columnwise=True)
-        w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-        qw = comm.quantize_shard(weight, r.fprop_weight, group, 0, columnwise=w_shared, amax_history=next_w)
+        qw, w_shared, gathered = _weight_operand(weight, r, group, 0, need_dgrad, next_w, what)
         y = qgemm(qx, False, qw, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
+        saved_w = qw if gathered else qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
         ctx.save_for_backward(saved_w, saved_x, saved_xw, _current_amaxes(next_x, next_w))
-        ctx.histories = (hist_x, hist_w, hist_dy)  # not saved tensors: backward mutates them (see nn.functional)
+        # Not saved tensors: backward mutates them (see nn.functional). A gathered weight's history
+        # was rolled by its gather.
+        ctx.histories = (hist_x, None if gathered else hist_w, hist_dy)
         ctx.args = (r, group, world, mode, shared_fprop is not None, batch, x.shape, x.dtype, w_shared, bias is not None, update)
         return y.reshape(*out_lead, y.shape[-1])
 
@@ -258,8 +288,7 @@ class _RowwiseLinear(torch.autograd.Function):
             saved_x = qx.keep_usages(rowwise=False, columnwise=True)
         else:
             saved_x = comm.quantize_shard(x2, r.wgrad_input, group, 1, rowwise=False, columnwise=True)
-        w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-        qw = comm.quantize_shard(weight, r.fprop_weight, group, 1, columnwise=w_shared, amax_history=next_w)
+        qw, w_shared, gathered = _weight_operand(weight, r, group, 1, need_dgrad, next_w, what)
         y2 = qgemm(qx, False, qw, False, x.dtype)  # a partial sum over the K shards
         if mode == SEQUENCE:
             batch, seq_full = _batch_seq(x.shape, seq_dim)
@@ -273,9 +302,9 @@ class _RowwiseLinear(torch.autograd.Function):
             out_shape = (*x.shape[:-1], y2.shape[-1])
         if bias is not None:
             y2 = y2 + bias.to(y2.dtype)
-        saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
+        saved_w = qw if gathered else qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
         ctx.save_for_backward(saved_w, saved_x, _current_amaxes(next_x, next_w))
-        ctx.histories = (hist_x, hist_w, hist_dy)
+        ctx.histories = (hist_x, None if gathered else hist_w, hist_dy)
         ctx.args = (r, group, world, mode, batch, x.shape, x.dtype, w_shared, bias is not None, what, update)
         return y2.reshape(out_shape)
 
