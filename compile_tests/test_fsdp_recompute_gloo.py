@@ -131,6 +131,9 @@ def _check_parity(rank: int, results: dict) -> None:
         else:
             with pytest.raises(ValueError, match=r"layer '1.mlp.fc1': its forward ran during backward .*recompute_in_backward"):
                 _train(_shard(model), steps=1)
+            # Declared too late (FSDP2 fixed the buffer sizes at the first gather): a clear error, not a no-op.
+            with pytest.raises(ValueError, match=r"layer '0.mlp.fc1' was already all-gathered by FSDP2"):
+                tq.distributed.recompute_in_backward(model)
 
         # (c) outside the FSDP2 units: each linear layer its own unit, the checkpoint around the block.
         model = _model(recipe)

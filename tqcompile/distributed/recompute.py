@@ -49,7 +49,8 @@ def recompute_in_backward(module: nn.Module, enabled: bool = True) -> int:
     `checkpoint_wrapper`'d or composable-`checkpoint`'ed module is found without it. Call it after
     `tq.convert` and before the first forward (FSDP2 fixes its gather buffers then); it costs the
     backward gather the columnwise usage's bytes again (see docs/distributed.md). Returns how many
-    layers it marked; raises ValueError if `module` holds no converted layer.
+    layers it marked; raises ValueError if `module` holds no converted layer, or if FSDP2 already
+    gathered one of their weights without it (too late: the gather sizes are fixed).
 
     Example:
         >>> model = tq.convert(model, tq.recipes.mxfp8())
@@ -62,6 +63,16 @@ def recompute_in_backward(module: nn.Module, enabled: bool = True) -> int:
         raise ValueError(
             f"recompute_in_backward: {type(module).__name__} holds no layer converted by tq.convert; call it after tq.convert"
         )
+    from tqcompile.distributed.fsdp import QuantizedWeight, _local  # fsdp imports this module
+
+    for layer in layers:
+        weight = _local(layer.weight)
+        # FSDP2 sized this weight's gathers without the rowwise usage in backward: too late to change.
+        if enabled and isinstance(weight, QuantizedWeight) and weight._recomputed is False:
+            raise ValueError(
+                f"recompute_in_backward: layer {weight.layer!r} was already all-gathered by FSDP2, which fixed what its "
+                "backward gather brings; call recompute_in_backward before the first forward"
+            )
     for layer in layers:
         setattr(layer, _MARK, bool(enabled))
     return len(layers)
