@@ -292,3 +292,55 @@ def test_lazy_linear_is_skipped_until_materialised():
         tq.convert(model, RECIPE)
     assert type(model[0]) is tq.nn.Linear
     model(x).sum().backward()
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight the output head shares (tied embeddings, as in GPT-2 and Llama)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.body, self.lm_head = nn.Embedding(64, 32), nn.Linear(32, 32, bias=False), nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.lm_head(self.body(self.embed(tokens)))
+
+
+def test_fsdp_quantized_all_gather_keeps_tied_weights_tied():
+    # Wrapping the head's weight in a QuantizedWeight made it a new Parameter: the embedding kept
+    # training its own copy, and an FSDP2 run (where this wrapping is the default) drifted from the
+    # one-process run (1.4% in loss after 3 AdamW steps of a tied Llama-style model).
+    model = TiedLM()
+    with pytest.warns(tq.distributed.QuantizedAllGatherWarning, match=r"'lm_head'.*shared with embed\.weight"):
+        tq.convert(model, RECIPE, fsdp_quantized_all_gather=True)
+    assert model.lm_head.weight is model.embed.weight
+    assert len(list(model.parameters())) == 2
+    assert isinstance(model.lm_head, tq.nn.Linear)  # its GEMMs still run quantized
+    assert isinstance(model.body.weight.data, tq.distributed.QuantizedWeight)  # untied weights still gather quantized
+    # One module registered under two names is not a tie: it still gathers quantized.
+    shared = nn.Linear(32, 32)
+    aliased = nn.ModuleDict({"a": shared, "b": shared})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tq.distributed.QuantizedAllGatherWarning)
+        tq.convert(aliased, RECIPE, fsdp_quantized_all_gather=True)
+    assert isinstance(aliased["b"].weight.data, tq.distributed.QuantizedWeight)
+
+
+def test_convert_after_fully_shard_names_the_layer_and_the_order(tmp_path):
+    # Sharding first made the first forward fail inside FSDP2's lazy init with
+    # "'QuantizedWeight' object has no attribute '_local_tensor'", which names neither the layer nor the fix.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(
+            ValueError, match=r"layer '0' is already sharded: its weight is a DTensor.*Convert the unsharded model first"
+        ):
+            tq.convert(model, RECIPE)
+        assert not any(isinstance(m, tq.nn.Linear) for m in model.modules())  # nothing converted
+    finally:
+        dist.destroy_process_group()

@@ -159,3 +159,34 @@ def test_bad_layouts_are_refused_before_starting_processes(
 ) -> None:
     assert main(["demo", *argv, "--steps", "2", "--plot", "none"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sharded_table_says_what_its_columns_and_layout_are() -> None:
+    # The TP-only table claimed "then fully_shard; FSDP2 gathers in bf16 ..." although no FSDP2 ran,
+    # and unlike the one-process table it did not say that "final loss" is a mean of the last steps
+    # (a new user read 5.21 as the last loss, printed as 4.88 just above it).
+    from tqcompile.demo import DemoConfig
+    from tqcompile.demo_sharded import ShardedRunResult, format_sharded_table
+
+    cfg = DemoConfig(steps=5)
+    runs = [ShardedRunResult("bf16", losses=[5.0, 4.0, 3.0, 2.0, 1.0], step_times_s=[1.0, 0.1], all_gather_bytes=100)]
+    tp_only = format_sharded_table(runs, cfg, fsdp=1, tp=2)
+    assert "fully_shard" not in tp_only and "FSDP2 gathers" not in tp_only and "TP styles, then blocks compiled" in tp_only
+    assert "final loss: mean of the last 5 steps" in tp_only
+    assert re.search(r"^bf16\s+3\.0000\s", tp_only, re.M)
+    assert "then fully_shard: FSDP2 gathers in bf16" in format_sharded_table(runs, cfg, fsdp=2, tp=1)
+
+
+def test_parallelize_refuses_a_model_other_than_the_demo_gpt() -> None:
+    # A user's own model failed deep inside with "'Llama' object has no attribute 'blocks'".
+    from torch import nn
+
+    from tqcompile.distributed.parallelize import parallelize
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8)])
+
+    with pytest.raises(TypeError, match=r"shards tqcompile\.models\.GPT only, got Llama; for your own model.*fully_shard"):
+        parallelize(Llama(), mesh=None)

@@ -329,3 +329,36 @@ def test_percentile_with_a_loop_that_runs_other_data_each_pass():
         tq.calibrate(layer, tq.configs.int8(), lambda m: m(next(passes)), algorithm="percentile", percentile=99.0, progress=False)
     # Most of the second pass lies beyond the first pass's max: its 99th percentile is that max (the top bin's edge).
     assert float(layer.input_quantizer.amax) == pytest.approx(float(first.abs().max()), rel=1e-6)
+
+
+class ViTBlock(nn.Module):
+    """A ViT block built on nn.MultiheadAttention, whose forward reads out_proj.weight itself."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), nn.MultiheadAttention(d, 4, batch_first=True), nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+@pytest.mark.parametrize("config", [tq.configs.int8(), tq.configs.mxfp8()], ids=["int8", "mxfp8"])
+def test_multihead_attention_out_proj_is_left_out_and_said_so(config):
+    # out_proj used to be converted although MultiheadAttention never calls it: a static config
+    # (int8) failed calibration ("saw no data"), a dynamic one (mxfp8) listed it as quantized while
+    # it ran in high precision.
+    torch.manual_seed(0)
+    model, data = ViTBlock().eval(), torch.randn(4, 8, 32)
+    with pytest.warns(
+        CalibrationWarning, match=r"attn\.out_proj \(NonDynamicallyQuantizableLinear\): its parent nn\.MultiheadAttention"
+    ):
+        tq.calibrate(model, config, lambda m: m(data), progress=False)
+    names = [r.name for r in tq.summary(model).rows]
+    assert "attn.out_proj" not in names and "fc1" in names
+    assert not isinstance(model.attn.out_proj, fq_modules.FakeQuantModule)
+    fresh = tq.restore(ViTBlock().eval(), tq.quant_state(model))  # restore skips it the same way
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh(data), model(data))

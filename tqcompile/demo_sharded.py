@@ -31,7 +31,18 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import tqcompile as tq
 import tqcompile.distributed as tqd
-from tqcompile.demo import BASELINE, DemoConfig, RunResult, _batch, _fmt_table, _lr_factor, _sync, batch_offsets, load_corpus
+from tqcompile.demo import (
+    BASELINE,
+    DemoConfig,
+    RunResult,
+    _batch,
+    _fmt_table,
+    _lr_factor,
+    _sync,
+    batch_offsets,
+    final_window,
+    load_corpus,
+)
 from tqcompile.distributed.launch import process_group, spawn, under_torchrun
 from tqcompile.distributed.parallelize import parallelize
 from tqcompile.models.gpt import GPT, quantize_model
@@ -167,7 +178,10 @@ def format_sharded_table(results: Sequence[ShardedRunResult], cfg: DemoConfig, f
         f"model: GPT {mc.n_layer} layers, d_model {mc.d_model}; {cfg.batch_size}x{cfg.seq_len} tokens/step (global), "
         f"{cfg.steps} steps, AdamW lr {cfg.lr} (warmup {cfg.warmup_steps}, cosine), seed {cfg.seed}",
         f"layout: {layout} = {fsdp * tp} processes, {backend}, {cfg.device}; torch {torch.__version__}; "
-        f"blocks compiled fullgraph=True (backend={cfg.backend!r}), then fully_shard; FSDP2 gathers in bf16 unless the recipe gathers quantized",
+        + ("TP styles, then " if tp > 1 else "")
+        + f"blocks compiled fullgraph=True (backend={cfg.backend!r})"
+        # Only an FSDP2 layout shards and gathers weights: a TP-only run must not claim it does.
+        + ("; then fully_shard: FSDP2 gathers in bf16 unless the recipe gathers quantized" if fsdp > 1 else ""),
         "",
     ]
     base = next((r for r in results if r.name == BASELINE and r.error is None and r.losses), None)
@@ -204,8 +218,11 @@ def format_sharded_table(results: Sequence[ShardedRunResult], cfg: DemoConfig, f
                 str(r.recompiles),
             )
         )
+    window = final_window(cfg.steps)
     foot = [
         "",
+        f"final loss: mean of the last {window} step{'s' if window != 1 else ''}; step ms: median wall time after the first "
+        "step; 1st step: includes compiling forward, backward and the optimizer step",
         "gathered MB/step: bytes all-gathered by rank 0 in step 2 (forward + backward; FSDP2 weights, TP activations), "
         "counted at the collective; vs bf16 bytes: that over the bf16 run's",
     ]

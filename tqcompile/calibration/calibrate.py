@@ -44,6 +44,7 @@ from tqcompile.calibration.modules import (
     convert_module,
     kind_of,
     module_device,
+    read_by_parent,
     unconvert_module,
     unsupported_reason,
     weight_view,
@@ -82,6 +83,7 @@ class _Planned:
 def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) -> list[_Planned]:
     """What `calibrate` would do to each module (raises ConfigError on a config that cannot apply)."""
     planned, matched, skipped = [], [False] * len(config.rules), []
+    parent_reads = read_by_parent(model)
     for name, module in canonical_modules(model):
         if isinstance(module, FakeQuantModule):
             raise ValueError(
@@ -94,7 +96,7 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
         if found is None:
             continue
         kind, _, allowed = found
-        reason = unsupported_reason(module)
+        reason = unsupported_reason(module) or parent_reads.get(id(module))
         quantizers = config.resolve(name, module)
         if reason:
             if any(quantizers.values()):

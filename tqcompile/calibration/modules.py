@@ -189,6 +189,23 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
+def read_by_parent(model: nn.Module) -> dict[int, str]:
+    """{id(module): why} for the modules of `model` whose parent computes with their weight itself
+    and never calls them, so a fake quantizer on them would never run.
+
+    `nn.MultiheadAttention.forward` passes `out_proj.weight` to `F.multi_head_attention_forward`:
+    before this was checked, `out_proj` was converted and shown as quantized while it stayed in high
+    precision, and a static config failed calibration saying it "saw no data"."""
+    reasons: dict[int, str] = {}
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention) and type(module).forward is nn.MultiheadAttention.forward:
+            reasons[id(module.out_proj)] = (
+                "its parent nn.MultiheadAttention reads out_proj.weight itself (F.multi_head_attention_forward) and never "
+                "calls it; build the attention from nn.Linear projections to quantize it"
+            )
+    return reasons
+
+
 def module_device(module: nn.Module) -> torch.device:
     """Where a module's tensors live (a LayerNorm without affine parameters has none: the CPU)."""
     for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):

@@ -33,6 +33,7 @@ from tqcompile.calibration.modules import (
     convert_module,
     kind_of,
     module_device,
+    read_by_parent,
     swap_class,
     unsupported_reason,
     weight_view,
@@ -161,10 +162,11 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         config = QuantConfig.from_dict({**state["config"], "rules": []})  # validates the rest (ste)
         ste, config = config.ste, state["config"]
     current: dict[str, nn.Module] = {}
+    parent_reads = read_by_parent(model)
     for name, module in canonical_modules(model):
         if isinstance(module, FakeQuantModule) or _slots_of(module) is not None:
             raise ValueError(f"tq.restore: module {name!r} is already fake-quantized; restore into a freshly built float model")
-        if kind_of(module) is not None and unsupported_reason(module) is None:
+        if kind_of(module) is not None and unsupported_reason(module) is None and id(module) not in parent_reads:
             current[name] = module
     saved: dict[str, Any] = state["modules"]
     missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))

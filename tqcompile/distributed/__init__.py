@@ -10,6 +10,7 @@ from tqcompile.distributed.fsdp import (
     quantized_all_gather_reason,
 )
 from tqcompile.distributed.groups import all_reduce_amax, group_name_of, resolve_group
+from tqcompile.distributed.recompute import recompute_in_backward
 
 _TENSOR_PARALLEL = (
     "ColwiseParallel",
@@ -29,6 +30,7 @@ __all__ = [
     "enable_quantized_all_gather",
     "precompute_scales",
     "quantized_all_gather_reason",
+    "recompute_in_backward",
     "checkpoint",
     *_TENSOR_PARALLEL,
 ]

@@ -24,7 +24,10 @@ What travels, per weight quantizer (fprop and dgrad must share it; see `quantize
 - scales along K only (FP8 rowwise, MX and 1x128 blocks): the forward gathers the rowwise usage,
   the backward re-gather the columnwise one, in equal-size buffers (FSDP fixes the buffer size at
   the first gather). A layer FSDP does not reshard after forward (`reshard_after_forward=False`,
-  and the root module) is gathered once for both passes, so it moves both usages.
+  and the root module) is gathered once for both passes, so it moves both usages. A layer whose
+  forward activation checkpointing recomputes in backward (`tqcompile.distributed.recompute`) gets
+  both usages from the backward re-gather, as the recompute reads the rowwise one; a gather that
+  leaves the rowwise usage unfilled marks the weight so that reading it raises (`_mark_rowwise`).
 
 Which shard shapes keep blocks whole: FSDP shards dim 0 (N). Blocks along K (MX 32, 1x128,
 NVFP4 1x16, FP8 rows) are always whole in the rowwise usage. A 2-D block (128x128, 16x16) or a
@@ -48,6 +51,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from tqcompile import ops
 from tqcompile.distributed.fsdp_tp import TPSplit, reduce_over_tp, tp_split
 from tqcompile.distributed.groups import all_reduce_amax
+from tqcompile.distributed.recompute import recomputed_in_backward
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
@@ -244,6 +248,7 @@ class QuantizedWeight(torch.Tensor):
         self._forward_amax: tuple[int, torch.Tensor | None] | None = None
         self._buffer_bytes: int | None = None
         self._warned = False
+        self._recomputed: bool | None = None  # see `_recomputed_in_backward`
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self._tensor!r}, quantizer={self.quantizer!r})"
@@ -350,6 +355,10 @@ class QuantizedWeight(torch.Tensor):
         in_backward = group._training_state.name == "PRE_BACKWARD"
         if _transposable(q):
             rowwise, columnwise, both = True, False, ("row",)
+        elif group._reshard_after_forward and self._recomputed_in_backward(group, module):
+            # Activation checkpointing re-runs the forward after the backward re-gather: it brings both usages.
+            rowwise, columnwise = True, in_backward
+            both = ("row", "row+col")
         elif group._reshard_after_forward:
             rowwise, columnwise = not in_backward, in_backward
             both = ("row", "col")
@@ -360,6 +369,14 @@ class QuantizedWeight(torch.Tensor):
         sizes = {"row": _nbytes(plan.parts(True, False)), "col": _nbytes(plan.parts(False, True))}
         sizes["row+col"] = sizes["row"] + sizes["col"]
         return dataclasses.replace(plan, buffer_bytes=max(sizes[b] for b in both))
+
+    def _recomputed_in_backward(self, group, module: nn.Module) -> bool:
+        """Whether `module`'s forward runs again in backward inside this FSDP unit (see
+        `tqcompile.distributed.recompute`); decided once, at the first gather, as FSDP2 fixes the
+        buffer size there."""
+        if self._recomputed is None:
+            self._recomputed = recomputed_in_backward(module, group.modules)
+        return self._recomputed
 
     def fsdp_pre_all_gather(self, mesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy):
         """Quantize this shard (amaxes reduced over the shard group) into one uint8 buffer."""
@@ -519,6 +536,7 @@ class QuantizedWeight(torch.Tensor):
                         dst.copy_(t)
                 for t in stale.values():
                     _poison(t)
+            _mark_rowwise(out, plan, self.layer)
             return None
         # Every usage exists from the first gather on, since FSDP2 frees and refills these same
         # tensors: a usage a pass does not gather stays unfilled there, and that pass does not read it.
@@ -537,14 +555,17 @@ class QuantizedWeight(torch.Tensor):
                 if name in _USAGE_PARTS:
                     _poison(got[name])
         result = QuantizedTensor((rows, k), q, param_dtype, group_name, **got)
+        _mark_rowwise(result, plan, self.layer)
         return result, list(result._inner().values())
 
 
 # A usage this gather did not bring holds NaN, not stale or uninitialised bytes (FSDP2 frees and
-# refills these tensors): a computation that reads it anyway (a forward recomputed by activation
-# checkpointing after a backward re-gather brought only the columnwise usage) then gives NaN, never a
-# finite wrong result. 0xFF is NaN in E4M3, E5M2 and E8M0; NVFP4's E2M1 payload has no NaN, but its
-# E4M3 block scales do, and fp32 scales are filled with NaN.
+# refills these tensors). A forward recomputed after a backward re-gather gets both usages where
+# `tqcompile.distributed.recompute` sees it coming, and raises where it reads an unfilled rowwise
+# usage in Python (`_mark_rowwise`); what is left, a recompute inside a compiled backward graph that
+# nothing declared, reads these NaN (which a ReLU's backward can still turn into zero gradients).
+# 0xFF is NaN in E4M3, E5M2 and E8M0; NVFP4's E2M1 payload has no NaN, but its E4M3 block scales do,
+# and fp32 scales are filled with NaN.
 _USAGE_PARTS = ("_data", "_scale_inv", "_data_t", "_scale_inv_t")
 
 
@@ -554,6 +575,28 @@ def _poison(t: torch.Tensor) -> None:
             t.view(_U8).fill_(0xFF)
         else:
             t.fill_(float("nan"))
+
+
+def _mark_rowwise(weight: QuantizedTensor, plan: _Plan, layer: str) -> None:
+    """Record on the gathered weight whether this gather left its rowwise usage unfilled, as the
+    error `tq.nn.functional.linear` raises if a forward reads it anyway: a forward recomputed by
+    activation checkpointing that `tqcompile.distributed.recompute` could not see.
+
+    The attribute exists only while it holds an error: Dynamo guards on its presence, so a compiled
+    forward called again on such a weight recompiles and raises, and a forward on a weight whose
+    rowwise usage is there never sees it (no recompile between steps)."""
+    if plan.rowwise or plan.high_precision:
+        weight.__dict__.pop("_rowwise_not_gathered", None)
+        return
+    weight._rowwise_not_gathered = (
+        f"tq FSDP2 quantized all-gather: layer {layer!r}: its forward ran during backward (activation checkpointing "
+        f"recomputes it) and read the weight's rowwise usage, which FSDP2's backward all-gather did not bring: for "
+        f"{plan.quantizer!r} the backward gathers only dgrad's columnwise usage, unless it knows the forward is "
+        "recomputed. checkpoint_wrapper'd and composable-checkpoint'ed modules inside the FSDP2 unit are found "
+        "automatically; for torch.utils.checkpoint.checkpoint called inside a forward, call "
+        "tq.distributed.recompute_in_backward(module) on the checkpointed module before the first forward. Or "
+        "fully_shard with reshard_after_forward=False, or tq.convert(..., fsdp_quantized_all_gather=False)."
+    )
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -113,6 +113,14 @@ def parallelize(model: GPT, mesh: DeviceMesh, *, backend: str | Callable[..., An
         >>> mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         >>> model = parallelize(quantize_model(GPT(GPTConfig()), tq.recipes.mxfp8()), mesh)
     """
+    if not isinstance(model, GPT):
+        # Its TP plan and its blocks are the demo GPT's (model.cfg, model.blocks): another model
+        # failed with "'Llama' object has no attribute 'blocks'".
+        raise TypeError(
+            f"parallelize: shards tqcompile.models.GPT only, got {type(model).__name__}; for your own model, apply the "
+            "same steps in this order: tq.convert, parallelize_module with tq.distributed's TP styles, torch.compile "
+            "of each block (fullgraph=True), fully_shard of each block and then the root (docs/distributed.md)"
+        )
     dp_mesh, tp_mesh = mesh_dims(mesh)
     # 1. Tensor parallel first: it replaces parameters with DTensors that FSDP then shards further.
     if tp_mesh is not None:

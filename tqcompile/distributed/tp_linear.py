@@ -126,6 +126,8 @@ def _weight_operand(weight, recipe: Recipe, group: str, split_dim: int, need_dgr
                 f"{what}: the gathered weight's amaxes were reduced over group {weight.amax_group_name!r}, not over "
                 f"this layer's TP group {group!r}; its scales would not be the single-process ones"
             )
+        if getattr(weight, "_rowwise_not_gathered", None):  # a recomputed forward (tqcompile.distributed.recompute)
+            raise ValueError(weight._rowwise_not_gathered)
         return weight, need_dgrad, True
     w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
     return (

@@ -199,6 +199,36 @@ def _child_name(parent: str, child: str) -> str:
     return f"{parent}.{child}" if parent else child
 
 
+def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """id(parameter) -> every (name, owning module) under which `model` holds it (several for tied weights)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((_child_name(mod_name, p_name), module))
+    return owners
+
+
+def _check_not_sharded(modules: dict[str, nn.Module], plan: list[PlannedConversion]) -> None:
+    """Refuse, before changing anything, layers whose parameters fully_shard or parallelize_module already made DTensors.
+
+    Converting them anyway failed far from the cause: FSDP2's lazy init raised
+    "'QuantizedWeight' object has no attribute '_local_tensor'" at the first forward, and torch's TP
+    styles have no sharding rule for the tqcompile ops."""
+    from torch.distributed.tensor import DTensor
+
+    for p in plan:
+        if p.action != "convert":
+            continue
+        for p_name, param in modules[p.name].named_parameters(recurse=False):
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"tq.convert: layer {p.name!r} is already sharded: its {p_name} is a DTensor with placements "
+                    f"{tuple(param.placements)} (made by fully_shard or parallelize_module). Convert the unsharded model "
+                    "first, then shard it: tq.convert, then tq.distributed's TP styles, then torch.compile per block, "
+                    "then fully_shard (docs/distributed.md)"
+                )
+
+
 def conversion_plan(
     model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
 ) -> list[PlannedConversion]:
@@ -274,6 +304,7 @@ def convert(
         raise TypeError(f"tq.convert: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
     plan = conversion_plan(model, recipe, filter_fn=filter_fn)
     modules = dict(model.named_modules())
+    _check_not_sharded(modules, plan)
     for p in plan:
         if p.action == "convert":
             _entry_for(modules[p.name]).convert(modules[p.name], recipe)
@@ -286,9 +317,24 @@ def convert(
     if fsdp_quantized_all_gather is None:
         fsdp_quantized_all_gather = distributed_fsdp._is_initialized()
     if fsdp_quantized_all_gather:
+        owners = _parameter_owners(model)
         for p in plan:
-            if p.action == "convert":
-                distributed_fsdp.enable_quantized_all_gather(modules[p.name], p.name)
+            if p.action != "convert":
+                continue
+            layer = modules[p.name]
+            others = sorted({n for n, m in owners.get(id(getattr(layer, "weight", None)), []) if m is not layer})
+            if others:
+                # A QuantizedWeight is a new Parameter: wrapping a tied weight would untie it (the
+                # embedding would keep training its own copy), and the other owner could not read a
+                # quantized gather anyway. FSDP2 gathers it in high precision; the GEMMs still quantize.
+                warnings.warn(
+                    f"tq.convert: layer {p.name!r}: its weight is shared with {', '.join(others)} (tied weights); "
+                    "FSDP2 all-gathers it in high precision so that it stays tied (its GEMMs still run quantized)",
+                    distributed_fsdp.QuantizedAllGatherWarning,
+                    stacklevel=2,
+                )
+                continue
+            distributed_fsdp.enable_quantized_all_gather(modules[p.name], p.name)
     skipped = [p for p in plan if p.action == "skip"]
     if skipped:
         lines = "\n".join(f"  {p.name or '<root>'} ({p.module_type}): {p.reason}" for p in skipped)

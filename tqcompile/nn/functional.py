@@ -167,6 +167,10 @@ def linear(
         )
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     error = linear_input_error(x, weight, recipe, backward)
+    if error is None and isinstance(weight, QuantizedTensor) and getattr(weight, "_rowwise_not_gathered", None):
+        # An FSDP2-gathered weight whose backward all-gather left the rowwise usage unfilled, read by a
+        # recomputed forward (tqcompile.distributed.fsdp): never a silently wrong result.
+        error = (ValueError, weight._rowwise_not_gathered)
     if error is not None:
         # Raises now in eager mode; under torch.compile, when the compiled code runs, so the user
         # sees this message rather than Dynamo's "Observed exception" (tqcompile.ops.errors).
