@@ -60,9 +60,10 @@ class GraphModule(torch.nn.Module):
 
         self.assertExpectedInline(_forward_graph(fn, qx), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, arg0_1: "f8e4m3fn[32, 64]", arg1_1: "f8e8m0fnu[32, 2]", arg2_1: "f8e4m3fn[64, 32]", arg3_1: "f8e8m0fnu[64, 1]"):
+    def forward(self, arg0_1: "f8e4m3fn[32, 64]", arg1_1: "f8e8m0fnu[32, 2]", arg2_1: "f8e4m3fn[64, 32]", arg3_1: "f8e8m0fnu[64]"):
         dequantize: "f32[32, 64]" = torch.ops.tqcompile.dequantize.default(arg0_1, arg1_1, None, MXQuantizer(format=Format.E4M3, scale_rounding=ScaleRounding.FLOOR), torch.float32);  arg0_1 = arg1_1 = None
-        dequantize_1: "bf16[64, 32]" = torch.ops.tqcompile.dequantize.default(arg2_1, arg3_1, None, MXQuantizer(format=Format.E4M3, scale_rounding=ScaleRounding.FLOOR), torch.bfloat16);  arg2_1 = arg3_1 = None
+        view: "f8e8m0fnu[64, 1]" = torch.ops.aten.view.default(arg3_1, [64, 1]);  arg3_1 = None
+        dequantize_1: "bf16[64, 32]" = torch.ops.tqcompile.dequantize.default(arg2_1, view, None, MXQuantizer(format=Format.E4M3, scale_rounding=ScaleRounding.FLOOR), torch.bfloat16);  arg2_1 = view = None
         return (dequantize, dequantize_1)
 """)
 
@@ -85,9 +86,9 @@ class GraphModule(torch.nn.Module):
         quantize = torch.ops.tqcompile.quantize.default(arg0_1, NVFP4Quantizer(block_2d=False, stochastic_rounding=True, hadamard=True, hadamard_seed=0, amax_epsilon=1e-12), amax, arg1_1);  arg0_1 = None
         getitem: "u8[32, 32]" = quantize[0]
         getitem_1: "f8e4m3fn[32, 4]" = quantize[1];  quantize = None
-        quantize_1 = torch.ops.tqcompile.quantize.default(t, NVFP4Quantizer(block_2d=False, stochastic_rounding=True, hadamard=True, hadamard_seed=0, amax_epsilon=1e-12), amax_1, arg1_1);  t = arg1_1 = None
+        quantize_1 = torch.ops.tqcompile.quantize.default(t, NVFP4Quantizer(block_2d=False, stochastic_rounding=True, hadamard=True, hadamard_seed=0, amax_epsilon=1e-12), amax_1, arg1_1, True);  t = arg1_1 = None
         getitem_2: "u8[64, 16]" = quantize_1[0]
-        getitem_3: "f8e4m3fn[64, 2]" = quantize_1[1];  quantize_1 = None
+        getitem_3: "f8e4m3fn[128]" = quantize_1[1];  quantize_1 = None
         dequantize: "f32[32, 64]" = torch.ops.tqcompile.dequantize.default(getitem, getitem_1, amax, NVFP4Quantizer(block_2d=False, stochastic_rounding=True, hadamard=True, hadamard_seed=0, amax_epsilon=1e-12), torch.float32)
         return (getitem, getitem_1, amax, getitem_2, getitem_3, amax_1, dequantize)
 """)

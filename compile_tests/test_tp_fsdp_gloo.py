@@ -177,10 +177,13 @@ def _check_planted_outlier(rank: int, mesh) -> dict:
             assert isinstance(gathered, tq.QuantizedTensor), f"{name} {layer}: gathered {type(gathered).__name__}"
             assert gathered.amax_group_name == mesh["tp"].get_group().group_name
             ref = tq.quantize(getattr(single.blocks[0], layer).weight.detach(), q, rowwise=True, columnwise=True)
-            want = {
-                n: _tp_slice(getattr(ref, n), dim if not n.endswith("_t") else 1 - dim, tp_rank, chunks)
-                for n in ("_data", "_scale_inv", "_data_t", "_scale_inv_t")
-            }
+            want = {}
+            for n in ("_data", "_scale_inv", "_data_t", "_scale_inv_t"):
+                t, flat = getattr(ref, n), n == "_scale_inv_t" and q.flat_columnwise_scale()
+                if flat:  # a columnwise usage keeps 1-D block scales flat: sliced as (K, N // block)
+                    t = t.view(q.scale_shape(q.logical_shape(ref._data_t.shape)))
+                t = _tp_slice(t, dim if not n.endswith("_t") else 1 - dim, tp_rank, chunks)
+                want[n] = t.reshape(-1) if flat else t
             assert_bitwise_equal({n: getattr(gathered, n) for n in want}, want, f"{name} {layer}")
             if q.uses_tensor_amax():
                 assert torch.equal(gathered._amax, ref._amax), f"{name} {layer}: amax {gathered._amax} vs {ref._amax}"

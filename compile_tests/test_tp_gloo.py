@@ -82,10 +82,15 @@ def _slice_of(ref, split_dim: int, rank: int) -> dict[str, torch.Tensor]:
     """The part of the single-process quantization `ref` that the rank holding chunk `rank` of
     `split_dim` must have: every inner tensor chunked along that dim of its usage, except scales
     that are whole along it (tensor amaxes/scales, per-row scales along the split)."""
-    out = {}
+    out, q = {}, ref.quantizer
     for name, t in _inner(ref).items():
         d = split_dim if not name.endswith("_t") else 1 - split_dim
+        flat = name == "_scale_inv_t" and q.flat_columnwise_scale()  # chunked as (K, R // block)
+        if flat:
+            t = t.view(q.scale_shape(q.logical_shape(ref._data_t.shape)))
         out[name] = t if t.dim() == 0 or t.shape[d] == 1 else t.chunk(WORLD, dim=d)[rank]
+        if flat:
+            out[name] = out[name].reshape(-1)
     return out
 
 

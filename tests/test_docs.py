@@ -234,4 +234,4 @@ def test_api_page_parser_names_what_is_missing(tmp_path: Path):
     assert "tqcompile.optim" in public_modules() and "tqcompile.testing.strategies" in public_modules()
     from tqcompile.ops import quantize
 
-    assert _parameter_names(quantize) == ["x", "quantizer", "amax", "seed"]
+    assert _parameter_names(quantize) == ["x", "quantizer", "amax", "seed", "flat_scale"]

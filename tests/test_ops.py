@@ -41,6 +41,11 @@ def _op_inputs(q, x):
     return amax, seed
 
 
+def _flat_scale(q, usage: str) -> bool:
+    """What `tq.quantize` asks of the op: a columnwise usage keeps 1-D block scales flat."""
+    return usage == "columnwise" and q.flat_columnwise_scale()
+
+
 @ALL
 @USAGES
 def test_opcheck_amax(q, usage):
@@ -52,7 +57,7 @@ def test_opcheck_amax(q, usage):
 def test_opcheck_quantize(q, usage):
     # A bf16 input for the columnwise usage: both input dtypes, and both strides, get checked.
     x = _input(usage, torch.float32 if usage == "rowwise" else torch.bfloat16)
-    torch.library.opcheck(qops.quantize, (x, q, *_op_inputs(q, x)))
+    torch.library.opcheck(qops.quantize, (x, q, *_op_inputs(q, x), _flat_scale(q, usage)))
 
 
 @ALL
@@ -60,7 +65,7 @@ def test_opcheck_quantize(q, usage):
 def test_opcheck_dequantize(q, usage):
     x = _input(usage)
     amax, seed = _op_inputs(q, x)
-    data, scale_inv = qops.quantize(x, q, amax, seed)
+    data, scale_inv = qops.quantize(x, q, amax, seed, _flat_scale(q, usage))
     out_dtype = torch.bfloat16 if usage == "rowwise" else torch.float32
     torch.library.opcheck(qops.dequantize, (data, scale_inv, amax, q, out_dtype))
 
@@ -71,9 +76,10 @@ def test_fake_kernels_match_real_shapes(q, usage):
     """opcheck compares fake and real outputs; this states the shape contract directly."""
     x = _input(usage)
     amax, seed = _op_inputs(q, x)
-    data, scale_inv = qops.quantize(x, q, amax, seed)
+    data, scale_inv = qops.quantize(x, q, amax, seed, _flat_scale(q, usage))
     assert tuple(data.shape) == q.payload_shape(x.shape) and data.dtype == q.element_format().storage_dtype
-    assert tuple(scale_inv.shape) == q.scale_shape(x.shape) and scale_inv.dtype == q.scale_dtype()
+    want = q.columnwise_scale_shape(x.shape) if usage == "columnwise" else q.scale_shape(x.shape)
+    assert tuple(scale_inv.shape) == want and scale_inv.dtype == q.scale_dtype()
     assert data.is_contiguous() and scale_inv.is_contiguous()
     out = qops.dequantize(data, scale_inv, amax, q, torch.bfloat16)
     assert out.shape == x.shape and out.dtype == torch.bfloat16

@@ -472,6 +472,8 @@ def test_columnwise_is_the_rowwise_quantization_of_the_transpose(case, seed):
     qt = tq.quantize(x, q, columnwise=True, seed=seed)
     x_t = x.reshape(-1, x.shape[-1]).t()
     ref = tq.quantize(x_t.contiguous(), q, seed=seed)
+    # Same bytes; the columnwise scale in its own layout (flat for 1-D blocks: Quantizer.flat_columnwise_scale).
+    assert tuple(qt._scale_inv_t.shape) == tuple(q.columnwise_scale_shape(x_t.shape))
     for col, row in (("_data_t", "_data"), ("_scale_inv_t", "_scale_inv"), ("_amax_t", "_amax")):
         a, b = getattr(qt, col), getattr(ref, row)
         assert (a is None) == (b is None), col

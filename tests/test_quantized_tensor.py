@@ -235,6 +235,27 @@ def _cuts_columnwise_unit(q) -> bool:
 
 
 @ALL
+def test_columnwise_scale_layout(q):
+    """A columnwise usage keeps `columnwise_scale_shape` (flat for 1-D blocks, so a dynamic token
+    count never recompiles at one block: compile_tests/test_token_count_recompiles.py) through
+    quantize, slicing dim 0 and t(), which gives the rowwise usage its 2-D scales back."""
+    assert q.flat_columnwise_scale() == (q.layout()[0] is G.BLOCKWISE_1D)
+    qt = _qt(q, (96, 64))  # not square: a wrong layout shows
+    k, rows = qt.shape[1], qt.shape[0]
+    assert tuple(qt._scale_inv_t.shape) == tuple(q.columnwise_scale_shape((k, rows)))
+    tt = qt.t()
+    assert tuple(tt._scale_inv.shape) == tuple(q.scale_shape((k, rows)))
+    assert tuple(tt._scale_inv_t.shape) == tuple(q.columnwise_scale_shape((rows, k)))
+    col = qt.keep_usages(rowwise=False, columnwise=True)  # what tt's rowwise usage holds
+    assert torch.equal(_deq_bits(tt), bits_of(col.dequantize().t().contiguous()))
+    assert_payload_equal(tt.t(), qt)
+    if not _cuts_columnwise_unit(q) and q.layout()[0] is not G.ROWWISE:
+        s = qt[32:]
+        assert tuple(s._scale_inv_t.shape) == tuple(q.columnwise_scale_shape((k, rows - 32)))
+        assert torch.equal(_deq_bits(col[32:]), bits_of(col.dequantize()[32:].contiguous()))
+
+
+@ALL
 @pytest.mark.parametrize("bounds", [(0, 32), (32, 64), (16, 48)], ids=["head", "tail", "middle"])
 def test_slice_dim0(q, bounds):
     a, b = bounds

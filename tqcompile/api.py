@@ -139,7 +139,7 @@ def quantize(
         inner["_data"], inner["_scale_inv"] = ops.quantize(x, quantizer, amax, seed)
         inner["_amax"] = amax
     if columnwise:
-        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize(x_t, quantizer, amax_t, seed)
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, quantizer, amax_t, seed)
         inner["_amax_t"] = amax_t
     inner = {k: v for k, v in inner.items() if v is not None}
     return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
@@ -183,7 +183,7 @@ def _quantize_static(x, q: Quantizer, amax, rowwise: bool, columnwise: bool, x_t
         inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amax, seed)
         inner["_amax"] = tensor_amax
     if columnwise:
-        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize(x_t, q, amax, seed)
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, q, amax, seed)
         inner["_amax_t"] = tensor_amax
     inner = {k: v for k, v in inner.items() if v is not None}
     return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)

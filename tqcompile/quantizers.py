@@ -176,6 +176,21 @@ class Quantizer(OpaqueBase):
             return shape[:-1] + (shape[-1] // block,)
         return shape[:-2] + (shape[-2] // block, shape[-1] // block)
 
+    def flat_columnwise_scale(self) -> bool:
+        """True when a columnwise usage stores its scales flat (1-D blocks: MX, NVFP4 1x16, FP8 1x128).
+
+        Their columnwise scale is (K, T // block) for T tokens, and torch 2.13's AOTAutograd asks of
+        every graph tensor whether it is contiguous, which guards on each dim being 1: T // block == 1
+        is a legal value, so a dynamic T recompiled at T == one block. Flat, (K * (T // block),) with
+        K >= 2 is never 1 (compile_tests/test_token_count_recompiles.py)."""
+        return self.layout()[0] is Granularity.BLOCKWISE_1D
+
+    def columnwise_scale_shape(self, shape_t: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """Shape of a columnwise usage's scale, for the transpose `shape_t` (K, R) it quantizes:
+        `scale_shape(shape_t)`, flattened (row-major) where `flat_columnwise_scale()`."""
+        shape = self.scale_shape(shape_t)
+        return (math.prod(shape),) if self.flat_columnwise_scale() else shape
+
     def payload_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
         shape = tuple(shape)
         per_byte = self.element_format().elements_per_byte

@@ -7,7 +7,9 @@ Inner tensors (any may be absent, but not both usages):
   tensor-level amax, for quantizers that use one);
 - columnwise usage: the same of the 2-D transpose ``x.reshape(-1, K).t()``, as a GEMM that
   reduces over the rows needs it (dgrad's weight, wgrad's operands): ``_data_t``,
-  ``_scale_inv_t``, ``_amax_t``.
+  ``_scale_inv_t``, ``_amax_t``. Its scales have ``quantizer.columnwise_scale_shape``: flat for
+  1-D blocks (MX, NVFP4 1x16, FP8 1x128), so a dynamic token count T never puts a T // block dim,
+  which may be 1, in a compiled graph (see `Quantizer.flat_columnwise_scale`).
 
 Metadata: the quantizer, the original dtype, and the *name* of the amax reduction group (see
 `tqcompile.distributed.groups` for why a name and not the group). `t()` of a 2-D tensor swaps the
@@ -198,7 +200,13 @@ def _transpose(func, args, kwargs):
         raise NotImplementedError(f"QuantizedTensor supports t()/transpose(0, 1) of 2-D tensors only; got {func} on shape {tuple(self.shape)}")
     inner = self._inner()
     swapped = {b: inner[a] for a, b in zip(_ROWWISE + _COLUMNWISE, _COLUMNWISE + _ROWWISE) if a in inner}
-    return self._with(shape=(self.shape[1], self.shape[0]), **swapped)
+    q, shape = self.quantizer, (self.shape[1], self.shape[0])
+    if q.flat_columnwise_scale():  # each usage's scales in its own layout (module docstring)
+        if "_scale_inv" in swapped:
+            swapped["_scale_inv"] = swapped["_scale_inv"].reshape(q.scale_shape(shape))
+        if "_scale_inv_t" in swapped:
+            swapped["_scale_inv_t"] = swapped["_scale_inv_t"].reshape(-1)
+    return self._with(shape=shape, **swapped)
 
 
 @_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -259,7 +267,11 @@ def _slice(func, args, kwargs):
         else:
             inner_rows = self.numel() // (self.shape[0] * self.shape[-1]) if self.numel() else 0
             dim_t, lo, hi, length = 1, start * inner_rows, end * inner_rows, self.shape[0] * inner_rows
-        inner["_data_t"], inner["_scale_inv_t"] = _slice_payload(inner["_data_t"], inner["_scale_inv_t"], self.quantizer, dim_t, lo, hi, length)
+        q, scale_t = self.quantizer, inner["_scale_inv_t"]
+        if q.flat_columnwise_scale():  # sliced as (K, R // block), kept flat (a copy where not contiguous)
+            scale_t = scale_t.view(q.scale_shape(q.logical_shape(inner["_data_t"].shape)))
+        inner["_data_t"], scale_t = _slice_payload(inner["_data_t"], scale_t, q, dim_t, lo, hi, length)
+        inner["_scale_inv_t"] = scale_t.reshape(-1) if q.flat_columnwise_scale() else scale_t
     return self._with(shape=(end - start,) + tuple(self.shape[1:]), **inner)
 
 

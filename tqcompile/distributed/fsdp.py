@@ -519,6 +519,8 @@ class QuantizedWeight(torch.Tensor):
         if _transposable(q):
             got["_data_t"] = _transpose_payload(got["_data"], q)
             got["_scale_inv_t"] = got["_scale_inv"].t()
+        if "_scale_inv_t" in got and q.flat_columnwise_scale():  # gathered as (K, N // block), kept flat
+            got["_scale_inv_t"] = got["_scale_inv_t"].reshape(-1)
         got = {name: t.contiguous().clone() for name, t in got.items()}
         if out is not None:
             dsts = {name: getattr(out, name) for name in got}
@@ -539,6 +541,8 @@ class QuantizedWeight(torch.Tensor):
         # Every usage exists from the first gather on, since FSDP2 frees and refills these same
         # tensors: a usage a pass does not gather stays unfilled there, and that pass does not read it.
         for name, shape in _full_shapes(q, rows, k).items():
+            if name == "_scale_inv_t":
+                shape = q.columnwise_scale_shape((k, rows))
             if name not in got and (tensor_amax is not None or not name.startswith("_amax")):
                 dtype = (
                     torch.float32
@@ -600,7 +604,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _full_shapes(q: Quantizer, rows: int, k: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the unsharded QuantizedTensor's inner tensors (both usages)."""
+    """Shapes of the unsharded QuantizedTensor's inner tensors (both usages), as gathered: a
+    columnwise scale that `q.flat_columnwise_scale()` keeps flat is stored with `q.columnwise_scale_shape`."""
     return {
         "_data": q.payload_shape((rows, k)),
         "_scale_inv": q.scale_shape((rows, k)),

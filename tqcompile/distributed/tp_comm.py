@@ -206,14 +206,18 @@ def all_gather_tokens(qts: list[QuantizedTensor], group_name: str, world: int, b
     in one collective. Their token-split quantization must come from `quantize_shard(split_dim=0)`."""
     pieces, where = [], []
     for i, qt in enumerate(qts):
+        q = qt.quantizer
         for name, t in _inner(qt).items():
-            if _gathered(name, qt.quantizer):
+            if _gathered(name, q):
+                if name == "_scale_inv_t" and q.flat_columnwise_scale():  # gathered as (K, T // block)
+                    t = t.view(q.scale_shape(q.logical_shape(qt._data_t.shape)))
                 pieces.append((t, 1 if name.endswith("_t") else 0))
                 where.append((i, name))
     gathered = _gather_pieces(pieces, group_name, world, batch)
     inners = [_inner(qt) for qt in qts]
     for (i, name), t in zip(where, gathered):
-        inners[i][name] = t
+        flat = name == "_scale_inv_t" and qts[i].quantizer.flat_columnwise_scale()
+        inners[i][name] = t.reshape(-1) if flat else t
     return [_rebuild(qt, (world * qt.shape[0], qt.shape[1]), **inner) for qt, inner in zip(qts, inners)]
 
 

@@ -70,6 +70,7 @@ def _expand(scale: torch.Tensor, shape: torch.Size, layout: tuple[Granularity, i
     if gran in (Granularity.TENSORWISE, Granularity.ROWWISE):
         return scale
     if gran is Granularity.BLOCKWISE_1D:
+        scale = scale.reshape(*shape[:-1], shape[-1] // block)  # a columnwise usage's scales are flat
         return scale.unsqueeze(-1).expand(*scale.shape, block).reshape(shape)
     return scale[..., :, None, :, None].expand(*scale.shape[:-2], scale.shape[-2], block, scale.shape[-1], block).reshape(shape)
 

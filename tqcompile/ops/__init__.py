@@ -5,11 +5,12 @@ the numerics."""
 from tqcompile.ops.errors import raise_error, shape_str, static_shape
 from tqcompile.ops.gemm import amax_history_update, gemm_tn
 from tqcompile.ops.grouped_gemm import grouped_amax, grouped_gemm_tn, grouped_mm_wgrad, grouped_quantize
-from tqcompile.ops.quantize import amax, dequantize, quantize
+from tqcompile.ops.quantize import amax, dequantize, quantize, quantize_columnwise
 
 __all__ = [
     "amax",
     "quantize",
+    "quantize_columnwise",
     "dequantize",
     "gemm_tn",
     "amax_history_update",

@@ -54,11 +54,11 @@ def _amax(x, quantizer):
     return reference.tensor_amax(x, quantizer)
 
 
-def _quantize(x, quantizer, amax, seed):
+def _quantize(x, quantizer, amax, seed, flat_scale=False):
     if not (_on_cpu(x) and _fusable(quantizer)):
         return NotImplemented
     data, scale_inv = reference.quantize(x, quantizer, amax, seed)
-    return data, scale_inv
+    return data, scale_inv.reshape(-1) if flat_scale else scale_inv
 
 
 def _dequantize(data, scale_inv, amax, quantizer, dtype):

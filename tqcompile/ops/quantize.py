@@ -7,6 +7,8 @@ the GEMM ops that call them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tqcompile.kernels import reference
@@ -28,20 +30,38 @@ def _amax_fake(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
 
 @torch.library.custom_op("tqcompile::quantize", mutates_args=())
 def quantize(
-    x: torch.Tensor, quantizer: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None
+    x: torch.Tensor, quantizer: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None, flat_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, scale_inv) of `x`; `amax` is the (group-reduced) tensor amax where the quantizer uses one.
 
     For a ROWWISE Float8/Int quantizer, `amax` may instead hold the per-row amaxes (in the scale's
-    shape): tensor parallelism passes the amaxes of rows split over ranks, reduced over the group."""
-    return reference.quantize(x, quantizer, amax, seed)
+    shape): tensor parallelism passes the amaxes of rows split over ranks, reduced over the group.
+    `flat_scale` returns the scales flattened (row-major): a columnwise usage's layout where
+    `quantizer.flat_columnwise_scale()`. The op itself must return it flat: a (K, T // block) tensor
+    anywhere in the graph would guard on T // block == 1 (see `Quantizer.flat_columnwise_scale`)."""
+    return _flat(reference.quantize(x, quantizer, amax, seed), flat_scale)
+
+
+def _flat(out: tuple[torch.Tensor, torch.Tensor], flat_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (out[0], out[1].reshape(-1)) if flat_scale else out
+
+
+def quantize_columnwise(
+    x_t: torch.Tensor, quantizer: Quantizer, amax: torch.Tensor | None, seed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` of `x_t`, the 2-D transpose a columnwise usage quantizes, with its scales in that
+    usage's layout (`Quantizer.columnwise_scale_shape`)."""
+    if quantizer.flat_columnwise_scale():
+        return quantize(x_t, quantizer, amax, seed, True)
+    return quantize(x_t, quantizer, amax, seed)  # the graphs of other quantizers keep their call
 
 
 @quantize.register_fake
-def _quantize_fake(x, quantizer, amax, seed):
+def _quantize_fake(x, quantizer, amax, seed, flat_scale=False):
     register_inductor_decompositions()
     payload = x.new_empty(quantizer.payload_shape(x.shape), dtype=quantizer.element_format().storage_dtype)
-    scale_inv = x.new_empty(quantizer.scale_shape(x.shape), dtype=quantizer.scale_dtype())
+    shape = quantizer.scale_shape(x.shape)
+    scale_inv = x.new_empty((math.prod(shape),) if flat_scale else shape, dtype=quantizer.scale_dtype())
     return payload, scale_inv
 
 
@@ -61,15 +81,15 @@ def _dequantize_fake(data, scale_inv, amax, quantizer, dtype):
 
 # --- CUDA kernels: Triton (tqcompile.kernels.triton), bit-exact with the reference -------------
 @quantize.register_kernel("cuda")
-def _quantize_cuda(x, quantizer, amax, seed):
+def _quantize_cuda(x, quantizer, amax, seed, flat_scale=False):
     try:
         # Imported on the first CUDA call only: CPU-only use never imports Triton.
         from tqcompile.kernels.triton import quantize as triton_quantize
     except ImportError:  # no Triton on this platform
-        return reference.quantize(x, quantizer, amax, seed)
+        return _flat(reference.quantize(x, quantizer, amax, seed), flat_scale)
     if triton_quantize.supports(x, quantizer, amax, seed):
-        return triton_quantize.quantize(x, quantizer, amax, seed)
-    return reference.quantize(x, quantizer, amax, seed)
+        return _flat(triton_quantize.quantize(x, quantizer, amax, seed), flat_scale)
+    return _flat(reference.quantize(x, quantizer, amax, seed), flat_scale)
 
 
 # --- end of the CUDA kernels -------------------------------------------------------------------
