@@ -24,7 +24,6 @@ again along its rows) and a RowwiseParallel fc2 (weight split on K). Each rank c
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from pathlib import Path
 
@@ -46,19 +45,8 @@ D, HIDDEN, TOKENS = 256, 256, (2, 128)
 STEPS = 3
 
 
-def _nvfp4_rne() -> tq.Recipe:
-    # Stochastic rounding draws by element index: a TP shard's indices are not the whole tensor's.
-    r = tq.recipes.nvfp4()
-    return dataclasses.replace(
-        r,
-        name="nvfp4_rne",
-        dgrad_grad=dataclasses.replace(r.dgrad_grad, stochastic_rounding=False),
-        wgrad_grad=dataclasses.replace(r.wgrad_grad, stochastic_rounding=False),
-    )
-
-
 def _recipe(name: str) -> tq.Recipe:
-    return _nvfp4_rne() if name == "nvfp4_rne" else tq.recipes.get(name)
+    return tq.recipes.nvfp4(stochastic_rounding=False) if name == "nvfp4_rne" else tq.recipes.get(name)
 
 
 RECIPES = [n for n in tq.recipes.RECIPES if n != "nvfp4"] + ["nvfp4_rne"]

@@ -58,18 +58,6 @@ QUANTIZERS = {
 }
 
 
-def _nvfp4_deterministic() -> tq.Recipe:
-    # Stochastic rounding draws its random numbers by element index: a shard's indices are not the
-    # whole tensor's, so an SR gradient cannot equal the single-process one bit for bit.
-    r = tq.recipes.nvfp4()
-    return dataclasses.replace(
-        r,
-        name="nvfp4_rne",
-        dgrad_grad=dataclasses.replace(r.dgrad_grad, stochastic_rounding=False),
-        wgrad_grad=dataclasses.replace(r.wgrad_grad, stochastic_rounding=False),
-    )
-
-
 PARITY_RECIPES = [n for n in tq.recipes.RECIPES if n != "nvfp4"]
 
 
@@ -219,7 +207,7 @@ def _qkv_pair(recipe, mesh, shared: bool):
 def _check_shared_gather(rank: int, mesh) -> dict:
     counts = {}
     for name in ("fp8_tensorwise", "mxfp8", "nvfp4"):
-        recipe = tq.recipes.get(name) if name != "nvfp4" else _nvfp4_deterministic()
+        recipe = tq.recipes.get(name) if name != "nvfp4" else tq.recipes.nvfp4(stochastic_rounding=False)
         full = torch.randn(BATCH, 256, 256, generator=torch.Generator().manual_seed(8))
         results = {}
         for shared in (True, False):
@@ -293,7 +281,7 @@ def _check_parity(rank: int, mesh, steps: int = 3) -> dict:
     batches = _batches(steps)
     worst = {}
     for name in PARITY_RECIPES + ["nvfp4_rne"]:
-        recipe = _nvfp4_deterministic() if name == "nvfp4_rne" else tq.recipes.get(name)
+        recipe = tq.recipes.nvfp4(stochastic_rounding=False) if name == "nvfp4_rne" else tq.recipes.get(name)
         torch.manual_seed(0)
         ref = quantize_model(GPT(CFG), recipe)
         tp = parallelize_gpt(copy.deepcopy(ref), mesh)
@@ -322,7 +310,7 @@ def _check_summation_bound(rank: int, mesh) -> dict:
     u = 2.0**-24
     d = 256
     for name in PARITY_RECIPES + ["nvfp4_rne"]:
-        recipe = _nvfp4_deterministic() if name == "nvfp4_rne" else tq.recipes.get(name)
+        recipe = tq.recipes.nvfp4(stochastic_rounding=False) if name == "nvfp4_rne" else tq.recipes.get(name)
         torch.manual_seed(11)
         ref = tq.convert(nn.Sequential(nn.Linear(d, d, bias=False)), recipe)[0]
         row = parallelize_module(copy.deepcopy(ref), mesh, tq.distributed.RowwiseParallel())

@@ -43,6 +43,22 @@ def test_recipes_differ_by_value():
     assert changed != tq.recipes.mxfp8() and changed.wgrad_grad is None
 
 
+def test_nvfp4_round_to_nearest_gradients():
+    """`nvfp4(stochastic_rounding=False)`: only the two gradient quantizers change, and the name says so."""
+    sr, rne = tq.recipes.nvfp4(), tq.recipes.nvfp4(stochastic_rounding=False)
+    assert rne.name == "nvfp4_rne" and rne != sr
+    assert sr.dgrad_grad.stochastic_rounding and sr.wgrad_grad.stochastic_rounding
+    assert not rne.dgrad_grad.stochastic_rounding and not rne.wgrad_grad.stochastic_rounding
+    same = ("fprop_input", "fprop_weight", "dgrad_weight", "wgrad_input")
+    assert all(getattr(rne, f) == getattr(sr, f) for f in same)
+    assert rne.wgrad_grad.hadamard
+    x = torch.randn(64, 64)
+    y1, y2 = (tq.nn.Linear(64, 64, recipe=rne) for _ in range(2))
+    y2.load_state_dict(y1.state_dict())
+    g = [torch.autograd.grad(m(x).square().sum(), m.weight)[0] for m in (y1, y2)]
+    assert torch.equal(g[0], g[1])  # deterministic: no random draw in the gradient
+
+
 def test_recipe_loads_with_weights_only():
     import io
 

@@ -170,18 +170,23 @@ def mxfp8() -> Recipe:
     return Recipe("mxfp8", q, q, q, q, q, q)
 
 
-def nvfp4() -> Recipe:
+def nvfp4(stochastic_rounding: bool = True) -> Recipe:
     """NVFP4: 16x16 weight tiles, 1x16 activation blocks, stochastic rounding of gradients,
-    random Hadamard transform on both wgrad operands."""
+    random Hadamard transform on both wgrad operands.
+
+    `stochastic_rounding=False` rounds the gradients to nearest instead (recipe name
+    "nvfp4_rne"): stochastic rounding draws its random numbers by element index, so a sharded
+    gradient (tensor parallel) cannot equal the single-process one bit for bit; rounding to
+    nearest can, at the cost of a biased gradient."""
     act, wgt = NVFP4Quantizer(), NVFP4Quantizer(block_2d=True)
-    grad = NVFP4Quantizer(stochastic_rounding=True)
+    sr = bool(stochastic_rounding)
     return Recipe(
-        "nvfp4",
+        "nvfp4" if sr else "nvfp4_rne",
         fprop_input=act,
         fprop_weight=wgt,
-        dgrad_grad=grad,
+        dgrad_grad=NVFP4Quantizer(stochastic_rounding=sr),
         dgrad_weight=wgt,
-        wgrad_grad=NVFP4Quantizer(stochastic_rounding=True, hadamard=True),
+        wgrad_grad=NVFP4Quantizer(stochastic_rounding=sr, hadamard=True),
         wgrad_input=NVFP4Quantizer(hadamard=True),
     )
 
