@@ -244,13 +244,7 @@ def _check_dcp(rank: int, out_dir: str) -> tuple[dict, dict, tuple]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, _batches()[:2], opt)
     tq.distributed.checkpoint.save(model, opt, f"{out_dir}/ckpt")
-    state = {k: _full(v).clone() for k, v in model.state_dict().items()}
-    optim = {
-        f"{i}.{k}": _full(v).clone()
-        for i, p in enumerate(model.parameters())
-        for k, v in opt.state[p].items()
-        if torch.is_tensor(v)
-    }
+    state, optim = _snapshot(model, opt)
     fused = _shard(_model(tq.recipes.fp8_delayed()), mesh)
     with pytest.raises(ValueError, match=r"'blocks.0.fc1.weight' is placed .*fused_chunks=1"):
         tq.distributed.checkpoint.save(fused, None, f"{out_dir}/refused")
@@ -327,13 +321,8 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
-def _load_single_process(path: Path) -> tuple[dict, dict]:
-    model = _model(tq.recipes.fp8_delayed(), gated=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(_batches()[0]).backward()  # creates the optimizer state that the load fills
-    opt.step()
-    opt.zero_grad()
-    tq.distributed.checkpoint.load(model, opt, path)
+def _snapshot(model, opt) -> tuple[dict, dict]:
+    """Full (unsharded) copies of the model's state dict and the optimizer's tensor state."""
     state = {k: _full(v).clone() for k, v in model.state_dict().items()}
     optim = {
         f"{i}.{k}": _full(v).clone()
@@ -341,6 +330,17 @@ def _load_single_process(path: Path) -> tuple[dict, dict]:
         for k, v in opt.state[p].items()
         if torch.is_tensor(v)
     }
+    return state, optim
+
+
+def _load_single_process(path: Path) -> tuple[dict, dict]:
+    model = _model(tq.recipes.fp8_delayed(), gated=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(_batches()[0]).backward()  # creates the optimizer state that the load fills
+    opt.step()
+    opt.zero_grad()
+    tq.distributed.checkpoint.load(model, opt, path)
+    state, optim = _snapshot(model, opt)
     return state, optim
 
 
