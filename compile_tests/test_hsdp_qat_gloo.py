@@ -5,7 +5,9 @@ does nothing. Here the mesh is (2 replicas, 2 shards): the amax of a weight must
 its shard group (2 ranks), not the world, and the two replicas must compute the one-process
 losses bit for bit, with and without `precompute_scales`. A calibrated (QAT) model sharded with
 the stock `fully_shard` over four ranks, its blocks compiled with fullgraph=True first, must
-also train exactly as in one process, with no graph break. One spawn runs every check.
+also train exactly as in one process, with no graph break. The wrong order (fully_shard, then
+tq.calibrate or tq.restore) raises an error naming the module and the order. One spawn runs every
+check.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,6 +110,22 @@ def _checks(rank: int, out_dir: str) -> None:
             fully_shard(model.blocks[i])
         fully_shard(model)
         results["qat", config] = (_train(model), reference, counter.graph_breaks, counter.frame_count)
+
+    # Calibrating or restoring after fully_shard used to fail at the first forward inside DTensor
+    # dispatch ("tqcompile.quantize.default got mixed torch.Tensor and DTensor").
+    state = tq.quant_state(_calibrated("int8"))
+    for who, quantize in (
+        ("tq.calibrate", lambda m: tq.calibrate(m, tq.configs.int8(), lambda mm: mm(_data()[0]), progress=False)),
+        ("tq.restore", lambda m: tq.restore(m, state)),
+    ):
+        torch.manual_seed(0)
+        model = _Net()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        with pytest.raises(ValueError, match=rf"{who}: module 'blocks.0.norm' is already sharded: its weight is a DTensor"):
+            quantize(model)
+        assert not any(isinstance(m, tq.calibration.FakeQuantModule) for m in model.modules()), who  # unchanged
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
