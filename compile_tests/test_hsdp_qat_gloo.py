@@ -6,8 +6,8 @@ its shard group (2 ranks), not the world, and the two replicas must compute the 
 losses bit for bit, with and without `precompute_scales`. A calibrated (QAT) model sharded with
 the stock `fully_shard` over four ranks, its blocks compiled with fullgraph=True first, must
 also train exactly as in one process, with no graph break. The wrong order (fully_shard, then
-tq.calibrate or tq.restore) raises an error naming the module and the order. One spawn runs every
-check.
+tq.calibrate or tq.restore) raises an error naming the module and the order, and so does torch's
+own ColwiseParallel on a converted layer (naming tqcompile's styles). One spawn runs every check.
 """
 
 from __future__ import annotations
@@ -126,6 +126,17 @@ def _checks(rank: int, out_dir: str) -> None:
         with pytest.raises(ValueError, match=rf"{who}: module 'blocks.0.norm' is already sharded: its weight is a DTensor"):
             quantize(model)
         assert not any(isinstance(m, tq.calibration.FakeQuantModule) for m in model.modules()), who  # unchanged
+
+    # torch's own TP style on a converted layer used to fail in DTensor dispatch ("Operator
+    # tqcompile.amax.default does not have a sharding strategy registered").
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    layer = tq.convert(nn.Sequential(nn.Linear(64, 128)), tq.recipes.fp8_tensorwise(), fsdp_quantized_all_gather=False)
+    parallelize_module(layer, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",)), {"0": ColwiseParallel()})
+    with pytest.raises(
+        TypeError, match=r"recipe 'fp8_tensorwise'\): its weight is a DTensor placed \(Shard\(dim=0\),\) on a mesh of 4"
+    ):
+        layer(torch.randn(8, 64))
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
