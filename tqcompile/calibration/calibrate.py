@@ -80,6 +80,25 @@ class _Planned:
     quantizers: dict[str, Quantizer | None]
 
 
+def check_not_sharded(name: str, module: nn.Module, who: str) -> None:
+    """Refuse a module whose own parameters fully_shard or parallelize_module already made DTensors.
+
+    Calibrating (or restoring into) a sharded model failed at the first forward, deep in DTensor
+    dispatch ("tqcompile.quantize.default got mixed torch.Tensor and DTensor"), naming neither the
+    layer nor the order; and weight amaxes taken from shards are not the whole weight's. The
+    supported order is the unsharded model first, then shard (QAT under FSDP2 then trains exactly
+    as in one process)."""
+    from torch.distributed.tensor import DTensor
+
+    for p_name, param in module.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{who}: module {name!r} is already sharded: its {p_name} is a DTensor with placements "
+                f"{tuple(param.placements)} (made by fully_shard or parallelize_module). Quantize the unsharded model "
+                f"first, then shard it: {who}, then torch.compile per block, then fully_shard (docs/qat.md)"
+            )
+
+
 def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) -> list[_Planned]:
     """What `calibrate` would do to each module (raises ConfigError on a config that cannot apply)."""
     planned, matched, skipped = [], [False] * len(config.rules), []
@@ -95,6 +114,7 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
         found = kind_of(module)
         if found is None:
             continue
+        check_not_sharded(name, module, "tq.calibrate")
         kind, _, allowed = found
         reason = unsupported_reason(module) or parent_reads.get(id(module))
         quantizers = config.resolve(name, module)

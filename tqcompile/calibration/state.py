@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, set_record
+from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, check_not_sharded, set_record
 from tqcompile.calibration.config import SLOTS, ModuleTypeImportError, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.modules import (
@@ -167,6 +167,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         if isinstance(module, FakeQuantModule) or _slots_of(module) is not None:
             raise ValueError(f"tq.restore: module {name!r} is already fake-quantized; restore into a freshly built float model")
         if kind_of(module) is not None and unsupported_reason(module) is None and id(module) not in parent_reads:
+            check_not_sharded(name, module, "tq.restore")
             current[name] = module
     saved: dict[str, Any] = state["modules"]
     missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tqcompile.distributed.groups import group_name_of
 from tqcompile.nn.functional import linear
@@ -69,6 +70,8 @@ class Linear(_Quantized, nn.Linear):
         # Histories roll in training mode only (in the backward of each step; see `tq.nn.functional.linear`).
         # Read `training` only where it matters, so Dynamo guards on it only for delayed-scaling recipes.
         update = self.training if self.recipe.amax_history_len else True
+        if isinstance(self.weight, DTensor):
+            _refuse_dtensor_weight(self)
         return linear(
             x,
             self.weight,
@@ -78,6 +81,21 @@ class Linear(_Quantized, nn.Linear):
             amax_histories=self._histories(),
             update_amax_histories=update,
         )
+
+
+def _refuse_dtensor_weight(layer: Linear) -> None:
+    # Without this, torch's own TP styles on a converted layer failed deep in DTensor dispatch with
+    # "Operator tqcompile.amax.default does not have a sharding strategy registered", naming neither
+    # the layer nor the styles to use. tqcompile's styles swap in a forward that never gets here, and
+    # FSDP2 hands a layer its unsharded (plain or quantized) weight, so only a misuse reaches this.
+    w = layer.weight
+    raise TypeError(
+        f"tq.nn.Linear({layer.in_features}, {layer.out_features}, recipe {layer.recipe.name!r}): its weight is a DTensor placed "
+        f"{tuple(w.placements)} on a mesh of {w.device_mesh.size()} ranks, which the quantized GEMMs cannot take (DTensor has "
+        "no sharding rule for the tqcompile ops). If torch.distributed.tensor.parallel's ColwiseParallel/RowwiseParallel/"
+        "SequenceParallel sharded it, use tq.distributed.ColwiseParallel/RowwiseParallel instead (docs/tensor_parallel.md); "
+        "if fully_shard did, call the layer through the module fully_shard was applied to, which gathers the weight first"
+    )
 
 
 def __getattr__(name: str):
