@@ -384,7 +384,11 @@ def _check_bad_input(rank: int, mesh) -> None:
         parallelize_module(layer, mesh, tq.distributed.ColwiseParallel())
     # A sequence shard that cuts the 32-blocks MXFP8 takes along the tokens for wgrad.
     layer = _colwise_layer(tq.recipes.mxfp8(), mesh)
-    with pytest.raises(ValueError, match=r"holds 16 elements.*32-element blocks of its columnwise MXQuantizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"splits the sequence \(token\) dimension over 2 ranks, so each rank holds 16 tokens.*32-element blocks of its "
+        r"columnwise MXQuantizer.*multiple of tp_degree x block = 2 x 32 = 64 \(pad the sequence",
+    ):
         layer(torch.randn(1, 16, 256, requires_grad=True))
     with pytest.raises(ValueError, match="input_layouts=Shard"):
         parallelize_module(
