@@ -7,6 +7,11 @@ checkpoint saved by FSDP2 on 2 ranks loads into 1 process and the other way roun
 check is that the checkpoint was made for the same quantization: `save` adds one entry, the recipe
 of every converted layer, and `load` compares it before it loads anything else.
 
+A fused `ColwiseParallel` tensor (`fused_chunks` > 1 on a 1-D TP mesh, placed `_StridedShard`, which
+DCP's planner rejects) is saved as a `(chunks, N/chunks, ...)` tensor split plainly on dim 1, holding
+the same local rows; `load` maps it back into a fused TP layout or a plain tensor, and reads a plain
+checkpoint into a fused layout. On a TP x FSDP2 mesh such a weight is refused (see `_check_describable`).
+
 Every collective happens inside `dcp.save`/`dcp.load` and torch's state-dict helpers; nothing here
 runs one during the checkpointer's traversal.
 """
@@ -182,6 +187,7 @@ def load(
         >>> tq.distributed.checkpoint.load(model, optimizer, "ckpt/step100")
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
 
     meta = {_KEY: "", _FUSED_KEY: ""}
     try:
@@ -209,6 +215,11 @@ def load(
         elif chunks > 1:  # saved unfused (one process): read the whole tensor, keep this rank's rows
             container[key] = torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
             gathered.append((value, container[key], chunks))
+        elif saved > 1 and isinstance(value, DTensor):
+            raise ValueError(
+                f"checkpoint.load: {path!r} was saved from a fused ColwiseParallel layer (fused_chunks={saved}) and is "
+                f"placed {value.placements} here; load it into one process or into ColwiseParallel(fused_chunks={saved})"
+            )
         elif saved > 1:  # a plain tensor here: read the stacked rows into a view of it
             container[key] = _plain(value).view(saved, -1, *value.shape[1:])
     dcp.load(target, checkpoint_id=checkpoint_id)
