@@ -90,6 +90,5 @@ class GraphModule(torch.nn.Module):
         getitem_7: "f32[]" = quantize_3[1];  quantize_3 = None
         gemm_tn: "f32[8, 16]" = torch.ops.tqcompile.gemm_tn.default(getitem, getitem_1, amax, Float8Quantizer(format=Format.E4M3, granularity=Granularity.TENSORWISE, axis=-1, block_size=128, power_of_two_scale=False, amax_epsilon=1e-12), getitem_4, getitem_5, amax_1, Float8Quantizer(format=Format.E4M3, granularity=Granularity.TENSORWISE, axis=-1, block_size=128, power_of_two_scale=False, amax_epsilon=1e-12), torch.float32);  getitem = getitem_1 = getitem_4 = getitem_5 = None
         add: "f32[8, 16]" = torch.ops.aten.add.Tensor(gemm_tn, primals_2);  gemm_tn = primals_2 = None
-        view_3: "f32[8, 16]" = torch.ops.aten.view.default(add, [8, 16]);  add = None
-        return (view_3, amax, getitem_2, getitem_3, amax_1, getitem_6, getitem_7)
+        return (add, amax, getitem_2, getitem_3, amax_1, getitem_6, getitem_7)
 """)

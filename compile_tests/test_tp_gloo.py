@@ -377,7 +377,11 @@ def _check_bad_input(rank: int, mesh) -> None:
         parallelize_module(layer, mesh, tq.distributed.ColwiseParallel())
     # A sequence shard that cuts the 32-blocks MXFP8 takes along the tokens for wgrad.
     layer = _colwise_layer(tq.recipes.mxfp8(), mesh)
-    with pytest.raises(ValueError, match=r"holds 16 elements.*32-element blocks of its columnwise MXQuantizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"splits the sequence \(token\) dimension over 2 ranks, so each rank holds 16 tokens.*32-element blocks of its "
+        r"columnwise MXQuantizer.*multiple of tp_degree x block = 2 x 32 = 64 \(pad the sequence",
+    ):
         layer(torch.randn(1, 16, 256, requires_grad=True))
     with pytest.raises(ValueError, match="input_layouts=Shard"):
         parallelize_module(
@@ -390,6 +394,51 @@ def _check_bad_input(rank: int, mesh) -> None:
     mesh2d = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="1-D tensor-parallel mesh"):
         parallelize_module(tq.nn.Linear(256, 256, recipe=tq.recipes.mxfp8()), mesh2d, tq.distributed.ColwiseParallel())
+
+
+# --- DCP of a fused ColwiseParallel layer (fused_chunks=3: its DTensor is placed _StridedShard) -------
+def _fused_model(seed: int, tp_mesh=None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A converted fused-projection layer and an AdamW with state (one step taken)."""
+    torch.manual_seed(seed)
+    model = tq.convert(nn.Sequential(nn.Linear(128, 384)), tq.recipes.mxfp8())
+    if tp_mesh is not None:
+        parallelize_module(model, tp_mesh, {"0": tq.distributed.ColwiseParallel(fused_chunks=3)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(32, 128)).float().square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW state tensor, whole (gathered from its DTensor)."""
+    out = {f"param/{n}": _full(p).detach().clone() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"optim/{names[id(p)]}/{k}"] = _full(v).clone() if v.dim() else v.clone()
+    return out
+
+
+def _check_fused_checkpoint(rank: int, mesh, out_dir: str) -> dict[str, torch.Tensor]:
+    """Load the parent's 1-process checkpoint into TP2 fused (bit for bit), then save from TP2 fused
+    (for the parent to load into 1 process) and load it back into TP2 fused; returns the saved full state."""
+    model, opt = _fused_model(1, mesh)
+    tq.distributed.checkpoint.load(model, opt, f"{out_dir}/fused_one")
+    expected = torch.load(f"{out_dir}/fused_one.pt")
+    got = _full_state(model, opt)
+    assert got.keys() == expected.keys(), (sorted(got), sorted(expected))
+    for k in expected:
+        assert_bitwise_equal(got[k], expected[k])
+    model(torch.randn(32, 128)).float().square().sum().backward()
+    opt.step()
+    tq.distributed.checkpoint.save(model, opt, f"{out_dir}/fused_tp")
+    saved = _full_state(model, opt)
+    model, opt = _fused_model(3, mesh)  # and back into TP2 fused
+    tq.distributed.checkpoint.load(model, opt, f"{out_dir}/fused_tp")
+    for k, v in _full_state(model, opt).items():
+        assert_bitwise_equal(v, saved[k])
+    return saved
 
 
 # --- the spawn ----------------------------------------------------------------------------------------
@@ -407,6 +456,7 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         ("summation_bound", lambda: _check_summation_bound(rank, mesh)),
         ("parity", lambda: _check_parity(rank, mesh)),
         ("compile", lambda: _check_compile(rank, mesh)),
+        ("fused_checkpoint", lambda: _check_fused_checkpoint(rank, mesh, out_dir)),
     ):
         start = time.perf_counter()
         results[name] = check()
@@ -450,7 +500,16 @@ def _rank_checks_2d(rank: int, out_dir: str) -> None:
 
 
 def test_tensor_parallel_two_ranks(tmp_path):
+    model, opt = _fused_model(0)  # a 1-process checkpoint for the ranks to load into TP2 fused
+    tq.distributed.checkpoint.save(model, opt, tmp_path / "fused_one")
+    torch.save(_full_state(model, opt), tmp_path / "fused_one.pt")
     ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=DEADLINE_S)
+    model, opt = _fused_model(2)  # and the ranks' TP2 fused checkpoint into 1 process, bit for bit
+    tq.distributed.checkpoint.load(model, opt, tmp_path / "fused_tp")
+    got = _full_state(model, opt)
+    assert got.keys() == ranks[0]["fused_checkpoint"].keys()
+    for k, v in ranks[0]["fused_checkpoint"].items():
+        assert_bitwise_equal(got[k], v)
     for r, res in enumerate(ranks):
         assert res["compile"] == (CFG.n_layer, 0, 0), f"rank {r}: (graphs, recompiles, graph breaks) = {res['compile']}"
     assert ranks[0]["parity"] == ranks[1]["parity"], "every rank computes the same loss"

@@ -112,3 +112,18 @@ def test_dcp_round_trip_of_a_quantized_tensor(tmp_path):
         {n: getattr(state["q"], n) for n in ("_data", "_scale_inv", "_data_t", "_scale_inv_t")},
         {n: getattr(q, n) for n in ("_data", "_scale_inv", "_data_t", "_scale_inv_t")},
     )
+
+
+def test_enable_quantized_all_gather_keeps_a_tied_weight_plain():
+    """Called directly with `model`, it refuses to wrap a weight another module shares (wrapping would
+    untie it: the new Parameter would train apart from the embedding's)."""
+    emb = torch.nn.Embedding(256, 128)
+    head = tq.nn.Linear(128, 256, bias=False, recipe=tq.recipes.mxfp8())
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head)
+    with pytest.warns(tq.distributed.QuantizedAllGatherWarning, match=r"layer '1': its weight is shared with 0\.weight"):
+        assert not tq.distributed.enable_quantized_all_gather(head, "1", model=model)
+    assert head.weight is emb.weight
+    untied = tq.nn.Linear(128, 256, bias=False, recipe=tq.recipes.mxfp8())
+    assert tq.distributed.enable_quantized_all_gather(untied, "2", model=torch.nn.Sequential(emb, untied))
+    assert isinstance(untied.weight, tq.distributed.QuantizedWeight)

@@ -250,3 +250,17 @@ def test_delayed_scaling_uses_the_history_max():
     # The small input quantized with its own (current) scale would differ: the test can tell.
     current = tq.quantize(small, q).dequantize()
     assert not torch.equal(current, x_q)
+
+
+def test_2d_input_returns_no_view():
+    """A 2-D input's output is the GEMM result itself, not a view of it: FSDP2 warns on every forward
+    ("returned a view tensor ... skip the all-gather") when a layer that is its own unit returns a view."""
+    layer = tq.nn.Linear(64, 32, recipe=tq.recipes.mxfp8())
+    x = torch.randn(32, 64, requires_grad=True)
+    y = layer(x)
+    assert y._base is None and not y._is_view(), "a 2-D input's output must not be a view"
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    y3 = layer(x.detach().view(2, 16, 64))
+    assert y3.shape == (2, 16, 32)
+    torch.testing.assert_close(y3.reshape(32, 32), y.detach(), rtol=0, atol=0)

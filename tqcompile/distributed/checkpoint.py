@@ -7,6 +7,11 @@ checkpoint saved by FSDP2 on 2 ranks loads into 1 process and the other way roun
 check is that the checkpoint was made for the same quantization: `save` adds one entry, the recipe
 of every converted layer, and `load` compares it before it loads anything else.
 
+A fused `ColwiseParallel` tensor (`fused_chunks` > 1 on a 1-D TP mesh, placed `_StridedShard`, which
+DCP's planner rejects) is saved as a `(chunks, N/chunks, ...)` tensor split plainly on dim 1, holding
+the same local rows; `load` maps it back into a fused TP layout or a plain tensor, and reads a plain
+checkpoint into a fused layout. On a TP x FSDP2 mesh such a weight is refused (see `_check_describable`).
+
 Every collective happens inside `dcp.save`/`dcp.load` and torch's state-dict helpers; nothing here
 runs one during the checkpointer's traversal.
 """
@@ -30,6 +35,7 @@ from torch.utils._pytree import tree_map_only
 __all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError"]
 
 _KEY = "tqcompile_quantization"
+_FUSED_KEY = "tqcompile_fused_chunks"
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
@@ -94,6 +100,42 @@ def _check_describable(model: nn.Module) -> None:
             )
 
 
+def _fused_chunks(value) -> int:
+    """How many projections a fused `ColwiseParallel` tensor (1-D mesh, `_StridedShard(0)`) stacks; 1 otherwise."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(value, DTensor) and len(value.placements) == 1 and isinstance(value.placements[0], _StridedShard):
+        if value.placements[0].dim == 0:
+            return value.placements[0].split_factor
+    return 1
+
+
+def _stacked(value, chunks: int):
+    """A fused tensor as the (chunks, N/chunks, ...) DTensor placed plainly `Shard(1)`, sharing its storage.
+
+    DCP cannot plan `_StridedShard(0, split_factor=chunks)` (measured on torch 2.13: its planner sees
+    overlapping chunks), but each rank's local rows are, per fused projection, one contiguous block, so
+    the same local data is an ordinary `Shard(1)` of the stacked view. The checkpoint then holds the
+    weight in its global row order, whatever the TP degree."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = value.to_local()
+    shape = torch.Size((chunks, value.shape[0] // chunks, *value.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    stacked = local.view(chunks, -1, *local.shape[1:])
+    return DTensor.from_local(stacked, value.device_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
+
+
+def _entries(state: dict):
+    """(path, container, key) of every tensor of a model/optimizer state dict pair, path as a string."""
+    for fqn in state.get("model", {}):
+        yield f"model/{fqn}", state["model"], fqn
+    for fqn, per_param in state.get("optim", {}).get("state", {}).items():
+        for k in per_param:
+            yield f"optim/{fqn}/{k}", per_param, k
+
+
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_id: str | os.PathLike) -> None:
     """Save `model` (and `optimizer`) with DCP, sharded as they are, plus the quantization metadata.
 
@@ -106,7 +148,15 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_i
     state = {"model": get_model_state_dict(model), _KEY: json.dumps(quantization_metadata(model), sort_keys=True)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(tree_map_only(torch.Tensor, _plain, state), checkpoint_id=checkpoint_id)
+    state = tree_map_only(torch.Tensor, _plain, state)
+    fused = {}
+    for path, container, key in _entries(state):
+        chunks = _fused_chunks(container[key])
+        if chunks > 1:
+            fused[path] = chunks
+            container[key] = _stacked(container[key], chunks)
+    state[_FUSED_KEY] = json.dumps(fused, sort_keys=True)
+    dcp.save(state, checkpoint_id=checkpoint_id)
 
 
 def _check(saved: dict[str, str], current: dict[str, str], checkpoint_id) -> None:
@@ -137,8 +187,55 @@ def load(
         >>> tq.distributed.checkpoint.load(model, optimizer, "ckpt/step100")
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
 
-    meta = {_KEY: ""}
+    meta = {_KEY: "", _FUSED_KEY: ""}
+    try:
+        dcp.load(meta, checkpoint_id=checkpoint_id)
+    except Exception:  # written before fused tensors were stacked (it holds none), or not by `save`
+        meta = {_KEY: ""}
+        _load_metadata(meta, checkpoint_id)
+        meta[_FUSED_KEY] = "{}"
+    _check(json.loads(meta[_KEY]), quantization_metadata(model), checkpoint_id)
+    saved_fused = json.loads(meta[_FUSED_KEY])
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    # DCP loads into `target`, whose tensors share storage with `state`'s (views), except where a
+    # fused layout differs on the two sides: then the whole tensor is read and sliced afterwards.
+    target = {k: (dict(v) if k == "model" else v) for k, v in state.items()}
+    if "optim" in target:
+        target["optim"] = {**target["optim"], "state": {f: dict(d) for f, d in target["optim"].get("state", {}).items()}}
+    gathered = []
+    for path, container, key in _entries(target):
+        value = container[key]
+        chunks, saved = _fused_chunks(value), saved_fused.get(path, 1)
+        if chunks > 1 and saved == chunks:
+            container[key] = _stacked(value, chunks)
+        elif chunks > 1:  # saved unfused (one process): read the whole tensor, keep this rank's rows
+            container[key] = torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
+            gathered.append((value, container[key], chunks))
+        elif saved > 1 and isinstance(value, DTensor):
+            raise ValueError(
+                f"checkpoint.load: {path!r} was saved from a fused ColwiseParallel layer (fused_chunks={saved}) and is "
+                f"placed {value.placements} here; load it into one process or into ColwiseParallel(fused_chunks={saved})"
+            )
+        elif saved > 1:  # a plain tensor here: read the stacked rows into a view of it
+            container[key] = _plain(value).view(saved, -1, *value.shape[1:])
+    dcp.load(target, checkpoint_id=checkpoint_id)
+    for value, full, chunks in gathered:
+        world, rank = value.device_mesh.size(), value.device_mesh.get_local_rank()
+        rows = full.view(chunks, world, -1, *full.shape[1:])[:, rank]
+        value.to_local().copy_(rows.reshape(value.to_local().shape))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def _load_metadata(meta: dict, checkpoint_id) -> None:
+    """Load `meta`'s keys, or say the checkpoint was not written by `save`."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         dcp.load(meta, checkpoint_id=checkpoint_id)
     except Exception as e:  # DCP's error for a missing key is long; say what is missing
@@ -148,11 +245,3 @@ def load(
                 "tq.distributed.checkpoint.save (load it with torch.distributed.checkpoint directly)"
             ) from e
         raise
-    _check(json.loads(meta[_KEY]), quantization_metadata(model), checkpoint_id)
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=checkpoint_id)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])

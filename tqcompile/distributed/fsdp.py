@@ -526,7 +526,9 @@ class QuantizedWeight(torch.Tensor):
             dsts = {name: getattr(out, name) for name in got}
             # A refill is the same value autograd saved (the weight did not change since forward), so
             # keep the version counters, as FSDP2 does for its own all-gather outputs.
-            stale = {name: getattr(out, name) for name in _USAGE_PARTS if name not in got and getattr(out, name, None) is not None}
+            stale = {
+                name: getattr(out, name) for name in _USAGE_PARTS if name not in got and getattr(out, name, None) is not None
+            }
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(dsts.values()) + tuple(stale.values())):
                 for name, t in got.items():
                     dst = dsts[name]
@@ -625,15 +627,42 @@ def _transpose_payload(data: torch.Tensor, q: Quantizer) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
-def enable_quantized_all_gather(module: nn.Module, layer: str = "") -> bool:
+def enable_quantized_all_gather(module: nn.Module, layer: str = "", *, model: nn.Module | None = None) -> bool:
     """Make `module.weight` (a converted layer's) a `QuantizedWeight`, so FSDP2 gathers it
-    quantized. Returns False, changing nothing, where its recipe cannot (`quantized_all_gather_reason`)."""
+    quantized. Returns False, changing nothing, where its recipe cannot (`quantized_all_gather_reason`).
+
+    The `QuantizedWeight` is a new Parameter, so wrapping a weight that other modules share (tied
+    weights, e.g. an embedding and its output head) would untie it. This function sees only `module`:
+    pass `model` (the model `module` belongs to) and a weight that `model` also holds under another
+    module is kept plain (returns False, with a `QuantizedAllGatherWarning` naming the owners); its
+    GEMMs still run quantized. `tq.convert` does this check itself.
+
+    Example:
+        >>> tq.distributed.enable_quantized_all_gather(model.lm_head, "lm_head", model=model)
+    """
     recipe = getattr(module, "recipe", None)
     weight = getattr(module, "weight", None)
     if recipe is None or weight is None or weight.dim() != 2 or isinstance(weight, QuantizedWeight):
         return False
     if quantized_all_gather_reason(recipe) is not None:
         return False
+    if model is not None:
+        others = sorted(
+            f"{mod_name}.{p_name}" if mod_name else p_name
+            for mod_name, m in model.named_modules(remove_duplicate=False)
+            if m is not module
+            for p_name, p in m.named_parameters(recurse=False)
+            if p is weight
+        )
+        if others:
+            warnings.warn(
+                f"enable_quantized_all_gather: layer {layer or type(module).__name__!r}: its weight is shared with "
+                f"{', '.join(others)} (tied weights); kept plain so that it stays tied (FSDP2 gathers it in high "
+                "precision, its GEMMs still run quantized)",
+                QuantizedAllGatherWarning,
+                stacklevel=2,
+            )
+            return False
     module.weight = nn.Parameter(QuantizedWeight(weight.data, recipe.fprop_weight, layer), requires_grad=weight.requires_grad)
     return True
 

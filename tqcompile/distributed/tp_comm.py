@@ -68,11 +68,21 @@ def _split_in_usage(split_dim: int, usage: str) -> int:
     return split_dim if usage == _ROW else 1 - split_dim
 
 
-def check_shard(q: Quantizer, local_len: int, world: int, split_dim: int, usage: str, what: str) -> None:
-    """Raise a ValueError if a shard of `local_len` elements along `split_dim` would cut a block of `q`."""
+def check_shard(q: Quantizer, local_len: int, world: int, split_dim: int, usage: str, what: str, *, tokens: bool = False) -> None:
+    """Raise a ValueError if a shard of `local_len` elements along `split_dim` would cut a block of `q`.
+
+    `tokens`: the split is sequence parallelism's, along the sequence (token) dimension, so the
+    message says to change the sequence length (or pad it) rather than the layer's size."""
     gran, _, block = q.layout()
     blocked = {Granularity.BLOCKWISE_1D: (1,), Granularity.BLOCKWISE_2D: (0, 1)}.get(gran, ())
     if _split_in_usage(split_dim, usage) in blocked and local_len % block:
+        if tokens:
+            raise ValueError(
+                f"{what}: tensor parallelism splits the sequence (token) dimension over {world} ranks, so each rank holds "
+                f"{local_len} tokens (of a sequence length {local_len * world}), which cuts the {block}-element blocks of "
+                f"its {usage} {type(q).__name__} ({gran.name}); use a sequence length that is a multiple of tp_degree x block "
+                f"= {world} x {block} = {block * world} (pad the sequence to it), or a recipe without such blocks"
+            )
         raise ValueError(
             f"{what}: each of the {world} tensor-parallel shards holds {local_len} elements along the split dim "
             f"(of {local_len * world}), which cuts the {block}-element blocks of its {usage} {type(q).__name__} "

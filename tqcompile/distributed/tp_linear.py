@@ -96,11 +96,11 @@ def _quantize_gather(x2, recipe: Recipe, group, world, batch, seq_local, what, w
     with `defer_wgrad`, returned unsent (backward gathers it: the forward gathers only what the
     forward GEMM needs), else gathered in the same collective as the fprop operand."""
     r = recipe
-    comm.check_shard(r.fprop_input, seq_local, world, 0, "rowwise", f"{what} input")
+    comm.check_shard(r.fprop_input, seq_local, world, 0, "rowwise", f"{what} input", tokens=True)
     qx = comm.quantize_shard(x2, r.fprop_input, group, 0, amax_history=hist_x)
     qxw = None
     if want_wgrad and not (r.wgrad_input == r.fprop_input and comm.transposable(r.fprop_input)):
-        comm.check_shard(r.wgrad_input, seq_local, world, 0, "columnwise", f"{what} input")
+        comm.check_shard(r.wgrad_input, seq_local, world, 0, "columnwise", f"{what} input", tokens=True)
         qxw = comm.quantize_shard(x2, r.wgrad_input, group, 0, rowwise=False, columnwise=True)
     if qxw is None or defer_wgrad:
         return comm.all_gather_tokens([qx], group, world, batch)[0], qxw
@@ -295,7 +295,10 @@ class _RowwiseLinear(torch.autograd.Function):
         if mode == SEQUENCE:
             batch, seq_full = _batch_seq(x.shape, seq_dim)
             if seq_full % world:
-                raise ValueError(f"{what}: sequence length {seq_full} is not divisible by the TP degree {world}")
+                raise ValueError(
+                    f"{what}: sequence parallelism splits the sequence (token) dimension over {world} ranks, but the sequence "
+                    f"length {seq_full} is not divisible by the TP degree {world}; use a multiple of {world} (pad the sequence)"
+                )
             y2 = comm.reduce_scatter_seq(y2, group, world, batch)
             out_shape = (*x.shape[:-2], seq_full // world, y2.shape[-1])
         else:
@@ -329,11 +332,11 @@ class _RowwiseLinear(torch.autograd.Function):
             # dy arrives split along the sequence: quantize the shard (amax over TP) and all-gather
             # it quantized, both usages in one collective.
             seq_local = dy.shape[-2]
-            comm.check_shard(r.dgrad_grad, seq_local, world, 0, "rowwise", f"{what} output gradient")
+            comm.check_shard(r.dgrad_grad, seq_local, world, 0, "rowwise", f"{what} output gradient", tokens=True)
             qdy = comm.quantize_shard(dy2, r.dgrad_grad, group, 0, amax_history=hist_dy)
             qts = [qdy]
             if quant_wgrad and not (dy_shared and comm.transposable(r.dgrad_grad)):
-                comm.check_shard(r.wgrad_grad, seq_local, world, 0, "columnwise", f"{what} output gradient")
+                comm.check_shard(r.wgrad_grad, seq_local, world, 0, "columnwise", f"{what} output gradient", tokens=True)
                 qts.append(comm.quantize_shard(dy2, r.wgrad_grad, group, 0, rowwise=False, columnwise=True))
             gathered = comm.all_gather_tokens(qts, group, world, batch)
             qdy = gathered[0]

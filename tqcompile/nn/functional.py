@@ -92,7 +92,9 @@ class _QuantizedLinear(torch.autograd.Function):
         # version check.
         ctx.histories = (hist_x, hist_w, hist_dy)
         ctx.args = _LinearCtx(r, amax_group, x.shape, x.dtype, w_shared, bias is not None, update_histories)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        # A 2-D input returns `y` itself: a view (even a same-shape reshape) would be a view output of
+        # the layer, and FSDP2 warns on every forward that it skips a view's all-gather hooks.
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
