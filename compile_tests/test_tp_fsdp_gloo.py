@@ -259,6 +259,17 @@ def _piece_of(ref: torch.Tensor, tp_dim, chunks: int, rank: int) -> torch.Tensor
     return _tp_slice(ref, tp_dim, tp_rank, chunks).chunk(2, dim=0)[dp_rank]
 
 
+def _odd_fused(seed: int) -> nn.Sequential:
+    """A layer whose fused TP-local rows FSDP2 splits unevenly: fused_chunks=3, 9 rows per tp rank (dp shards 5, 4)."""
+    torch.manual_seed(seed)
+    return tq.convert(nn.Sequential(nn.Linear(32, 18)), tq.recipes.fp8_tensorwise(), fsdp_quantized_all_gather=False)
+
+
+def _shard_odd(model: nn.Sequential, mesh) -> nn.Sequential:
+    parallelize_module(model[0], mesh["tp"], tq.distributed.ColwiseParallel(fused_chunks=3))
+    return fully_shard(model, mesh=mesh["dp"])
+
+
 def _check_dcp(rank: int, out_dir: str) -> tuple[dict, dict]:
     """fp8_delayed (amax histories) trained on the 2-D mesh, saved with DCP; returns the pieces it held.
     Gated blocks: fc1 is a fused ColwiseParallel weight that FSDP2 shards again (checkpoint.save
@@ -286,7 +297,19 @@ def _check_dcp(rank: int, out_dir: str) -> tuple[dict, dict]:
     model = _shard(_model(tq.recipes.fp8_delayed()), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tq.distributed.checkpoint.load(model, opt, f"{out_dir}/single")
-    return held, _pieces(model, opt)
+    loaded = _pieces(model, opt)
+
+    # Uneven dp shards (padded for the gather): saved here (the parent loads it), and 1 -> TP2xFSDP2.
+    odd = _shard_odd(_odd_fused(0), mesh)
+    assert odd[0].weight._local_tensor.shape[0] == (5, 4)[mesh["dp"].get_local_rank()]
+    tq.distributed.checkpoint.save(odd, None, f"{out_dir}/odd")
+    odd = _shard_odd(_odd_fused(1), mesh)
+    tq.distributed.checkpoint.load(odd, None, f"{out_dir}/odd_single")
+    for n, (got, dim, chunks) in _pieces(odd[0], torch.optim.SGD(odd.parameters())).items():
+        if n.startswith("model/"):
+            want = _piece_of(getattr(_odd_fused(2)[0], n[len("model/") :]).detach(), dim, chunks, rank)
+            assert_bitwise_equal(got, want, f"uneven fused {n} loaded from one process")
+    return held, loaded
 
 
 # --- 3. bytes -------------------------------------------------------------------------------------------
@@ -397,6 +420,7 @@ def _check_pieces(ranks: list, which: int, state: dict, optim: dict, what: str) 
 def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
     start = time.perf_counter()
     single = _single_process_checkpoint(tmp_path / "single")
+    tq.distributed.checkpoint.save(_odd_fused(2), None, tmp_path / "odd_single")
     ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=600)
     res = ranks[0]
     for name in RECIPES:
@@ -414,6 +438,9 @@ def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
     _check_pieces(ranks, 0, *_load_single_process(tmp_path / "ckpt"), "saved state, loaded into one process")
     # DCP 1 -> TP2xFSDP2 (fused fc1): every rank's pieces are the one-process state's.
     _check_pieces(ranks, 1, *single, "one-process checkpoint loaded")
+    odd = _odd_fused(3)
+    tq.distributed.checkpoint.load(odd, None, tmp_path / "odd")
+    assert_bitwise_equal(dict(odd.state_dict()), dict(_odd_fused(0).state_dict()), "uneven fused: TP2xFSDP2 -> one process")
     print("\nTP2xFSDP2 parity (max relative loss diff, max relative param-norm diff):", {k: v for k, v in res["parity"].items()})
     print("weight all-gather bytes / bf16:", {k: round(v, 3) if k != "bf16" else v for k, v in res["bytes"].items()})
     print("seconds per check (rank 0):", {k: round(v, 1) for k, v in res["timings"].items()})
