@@ -14,10 +14,9 @@ again along its rows) and a RowwiseParallel fc2 (weight split on K). Each rank c
 3. bytes: FSDP2's weight all-gather over the dp dim, against the same model gathered in bf16;
 4. compile: blocks compiled fullgraph (aot_eager) before fully_shard: no graph break, and no new
    graph or recompile after step 1;
-5. DCP: the fp8_delayed run saved with tq.distributed.checkpoint on the 2-D mesh; the parent
-   loads it into one process (parameters, optimizer state and amax histories bit for bit), and
-   the ranks load a one-process checkpoint (1 -> TP2xFSDP2, bit for bit); a fused colwise weight
-   that FSDP2 also shards is refused by save with a clear error;
+5. DCP: the fp8_delayed run (fused fc1, which FSDP2 also shards) saved with tq.distributed.checkpoint
+   on the 2-D mesh; the parent loads it into one process (parameters, optimizer state and amax
+   histories bit for bit), and the ranks load a one-process checkpoint (1 -> TP2xFSDP2, bit for bit);
 6. HSDP on a 2x2 (replicate x shard) mesh: losses equal one process; the amax group is the shard dim's.
 """
 
@@ -234,30 +233,83 @@ def _check_parity(rank: int, mesh) -> dict:
     return worst
 
 
-def _check_dcp(rank: int, out_dir: str) -> tuple[dict, dict, tuple]:
-    """fp8_delayed (amax histories) trained on the 2-D mesh, saved with DCP; returns what it held.
-    Plain (unfused) colwise layers: a fused one is refused with a clear error (checkpoint.save).
+def _pieces(model, opt) -> dict:
+    """{name: (this rank's local piece, its TP split dim or None, fused chunks)} of the model state and the
+    optimizer's tensor state (keys as `_snapshot`'s). Local pieces: a fused fc1 weight's placements do
+    not describe it (`full_tensor()` misorders its rows); the parent slices the same piece out of a
+    one-process state (`_piece_of`)."""
+
+    def piece(v):
+        if not isinstance(v, DTensor):
+            return v.detach().clone(), None, 1
+        local, tp = v._local_tensor, v.placements[-1]
+        return getattr(local, "_tensor", local).detach().clone(), tp.dim, getattr(tp, "split_factor", 1)
+
+    out = {f"model/{k}": piece(v) for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        out.update({f"optim/{i}.{k}": piece(v) for k, v in opt.state[p].items() if torch.is_tensor(v)})
+    return out
+
+
+def _piece_of(ref: torch.Tensor, tp_dim, chunks: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s piece (mesh (dp, tp) = divmod(rank, 2)) of the one-process tensor `ref`."""
+    if tp_dim is None:
+        return ref
+    dp_rank, tp_rank = divmod(rank, 2)
+    return _tp_slice(ref, tp_dim, tp_rank, chunks).chunk(2, dim=0)[dp_rank]
+
+
+def _odd_fused(seed: int) -> nn.Sequential:
+    """A layer whose fused TP-local rows FSDP2 splits unevenly: fused_chunks=3, 9 rows per tp rank (dp shards 5, 4)."""
+    torch.manual_seed(seed)
+    return tq.convert(nn.Sequential(nn.Linear(32, 18)), tq.recipes.fp8_tensorwise(), fsdp_quantized_all_gather=False)
+
+
+def _shard_odd(model: nn.Sequential, mesh) -> nn.Sequential:
+    parallelize_module(model[0], mesh["tp"], tq.distributed.ColwiseParallel(fused_chunks=3))
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _check_dcp(rank: int, out_dir: str) -> tuple[dict, dict]:
+    """fp8_delayed (amax histories) trained on the 2-D mesh, saved with DCP; returns the pieces it held.
+    Gated blocks: fc1 is a fused ColwiseParallel weight that FSDP2 shards again (checkpoint.save
+    gathers it over dp by hand), fc2 a plain RowwiseParallel one.
     On a mesh made again (as the sharded demo does per run): its tp sub-mesh may resolve to a group
     of another name than the DTensor spec's; the gathered weight must record the layer's own."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = _shard(_model(tq.recipes.fp8_delayed(), gated=False), mesh)
+    model = _shard(_model(tq.recipes.fp8_delayed()), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, _batches()[:2], opt)
     tq.distributed.checkpoint.save(model, opt, f"{out_dir}/ckpt")
-    state, optim = _snapshot(model, opt)
-    fused = _shard(_model(tq.recipes.fp8_delayed()), mesh)
-    with pytest.raises(ValueError, match=r"'blocks.0.fc1.weight' is placed .*fused_chunks=1"):
-        tq.distributed.checkpoint.save(fused, None, f"{out_dir}/refused")
+    held = _pieces(model, opt)
+    # A 3-D mesh (HSDP x TP) with such a fused placement is not handled: refused, naming the parameter.
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    fused = [Replicate(), _StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2)]
+    lin = nn.Linear(4, 8, bias=False)
+    lin.weight = nn.Parameter(DTensor.from_local(torch.zeros(2, 4), mesh3, fused, run_check=False, shape=(8, 4), stride=(4, 1)))
+    with pytest.raises(ValueError, match=r"'weight' is placed .* on a 3-D mesh.*fused_chunks=1"):
+        tq.distributed.checkpoint.save(lin, None, f"{out_dir}/refused")
 
     # One process (saved by the test before the spawn) -> TP2xFSDP2.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    model = _shard(_model(tq.recipes.fp8_delayed(), gated=False), mesh)
+    model = _shard(_model(tq.recipes.fp8_delayed()), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tq.distributed.checkpoint.load(model, opt, f"{out_dir}/single")
-    full = StateDictOptions(full_state_dict=True)  # whole tensors on every rank
-    loaded = (get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full))
-    return state, optim, loaded
+    loaded = _pieces(model, opt)
+
+    # Uneven dp shards (padded for the gather): saved here (the parent loads it), and 1 -> TP2xFSDP2.
+    odd = _shard_odd(_odd_fused(0), mesh)
+    assert odd[0].weight._local_tensor.shape[0] == (5, 4)[mesh["dp"].get_local_rank()]
+    tq.distributed.checkpoint.save(odd, None, f"{out_dir}/odd")
+    odd = _shard_odd(_odd_fused(1), mesh)
+    tq.distributed.checkpoint.load(odd, None, f"{out_dir}/odd_single")
+    for n, (got, dim, chunks) in _pieces(odd[0], torch.optim.SGD(odd.parameters())).items():
+        if n.startswith("model/"):
+            want = _piece_of(getattr(_odd_fused(2)[0], n[len("model/") :]).detach(), dim, chunks, rank)
+            assert_bitwise_equal(got, want, f"uneven fused {n} loaded from one process")
+    return held, loaded
 
 
 # --- 3. bytes -------------------------------------------------------------------------------------------
@@ -334,7 +386,7 @@ def _snapshot(model, opt) -> tuple[dict, dict]:
 
 
 def _load_single_process(path: Path) -> tuple[dict, dict]:
-    model = _model(tq.recipes.fp8_delayed(), gated=False)
+    model = _model(tq.recipes.fp8_delayed())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(_batches()[0]).backward()  # creates the optimizer state that the load fills
     opt.step()
@@ -346,18 +398,29 @@ def _load_single_process(path: Path) -> tuple[dict, dict]:
 
 def _single_process_checkpoint(path: Path) -> tuple[dict, dict]:
     """A one-process fp8_delayed model trained 2 steps, saved for the ranks to load."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    model = _model(tq.recipes.fp8_delayed(), quantized_all_gather=False, gated=False)
+    model = _model(tq.recipes.fp8_delayed(), quantized_all_gather=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, _batches()[1:], opt)
     tq.distributed.checkpoint.save(model, opt, path)
-    return get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+    return _snapshot(model, opt)
+
+
+def _check_pieces(ranks: list, which: int, state: dict, optim: dict, what: str) -> None:
+    """Every rank's pieces (`_check_dcp`'s `which` result) equal the same pieces of a one-process state."""
+    whole = {**{f"model/{k}": v for k, v in state.items()}, **{f"optim/{k}": v for k, v in optim.items()}}
+    assert any("amax_history" in k for k in whole) and any("exp_avg_sq" in k for k in whole)
+    for r, rr in enumerate(ranks):
+        pieces = rr["dcp"][which]
+        assert pieces.keys() == whole.keys(), f"rank {r} {what}: keys {sorted(pieces.keys() ^ whole.keys())}"
+        got = {k: t for k, (t, _, _) in pieces.items()}
+        want = {k: _piece_of(whole[k], dim, chunks, r) for k, (_, dim, chunks) in pieces.items()}
+        assert_bitwise_equal(got, want, f"rank {r}: {what}")
 
 
 def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
     start = time.perf_counter()
     single = _single_process_checkpoint(tmp_path / "single")
+    tq.distributed.checkpoint.save(_odd_fused(2), None, tmp_path / "odd_single")
     ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=600)
     res = ranks[0]
     for name in RECIPES:
@@ -371,18 +434,13 @@ def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
     limits = {"fp8_tensorwise": 0.55, "fp8_rowwise": 0.55, "fp8_delayed": 0.55, "mxfp8": 0.55, "nvfp4_rne": 0.30}
     for name, limit in limits.items():
         assert res["bytes"][name] <= limit, f"{name}: weight all-gather {res['bytes'][name]:.3f}x bf16 (limit {limit})"
-    # DCP TP2xFSDP2 -> 1: what the 4 ranks held, loaded into one process, bit for bit.
-    saved_state, saved_optim, _ = res["dcp"]
-    state, optim = _load_single_process(tmp_path / "ckpt")
-    assert saved_state.keys() == state.keys() and any("amax_history" in k for k in state)
-    assert_bitwise_equal(state, saved_state, "model state (parameters and amax histories)")
-    assert_bitwise_equal(optim, saved_optim, "optimizer state")
-    # DCP 1 -> TP2xFSDP2: every rank's whole view of what it loaded is the one-process state.
-    for r, rr in enumerate(ranks):
-        loaded_model, loaded_optim = rr["dcp"][2]
-        assert any("amax_history" in k for k in loaded_model)
-        assert_bitwise_equal(loaded_model, single[0], f"rank {r}: loaded model state")
-        assert_bitwise_equal(loaded_optim, single[1], f"rank {r}: loaded optimizer state")
+    # DCP TP2xFSDP2 -> 1: what the 4 ranks held (fused fc1 included), loaded into one process, bit for bit.
+    _check_pieces(ranks, 0, *_load_single_process(tmp_path / "ckpt"), "saved state, loaded into one process")
+    # DCP 1 -> TP2xFSDP2 (fused fc1): every rank's pieces are the one-process state's.
+    _check_pieces(ranks, 1, *single, "one-process checkpoint loaded")
+    odd = _odd_fused(3)
+    tq.distributed.checkpoint.load(odd, None, tmp_path / "odd")
+    assert_bitwise_equal(dict(odd.state_dict()), dict(_odd_fused(0).state_dict()), "uneven fused: TP2xFSDP2 -> one process")
     print("\nTP2xFSDP2 parity (max relative loss diff, max relative param-norm diff):", {k: v for k, v in res["parity"].items()})
     print("weight all-gather bytes / bf16:", {k: round(v, 3) if k != "bf16" else v for k, v in res["bytes"].items()})
     print("seconds per check (rank 0):", {k: round(v, 1) for k, v in res["timings"].items()})

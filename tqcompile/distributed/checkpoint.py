@@ -10,10 +10,13 @@ of every converted layer, and `load` compares it before it loads anything else.
 A fused `ColwiseParallel` tensor (`fused_chunks` > 1 on a 1-D TP mesh, placed `_StridedShard`, which
 DCP's planner rejects) is saved as a `(chunks, N/chunks, ...)` tensor split plainly on dim 1, holding
 the same local rows; `load` maps it back into a fused TP layout or a plain tensor, and reads a plain
-checkpoint into a fused layout. On a TP x FSDP2 mesh such a weight is refused (see `_check_describable`).
+checkpoint into a fused layout. On a 2-D (dp, tp) mesh, where FSDP2 also shards such a tensor and places it
+`(_StridedShard(0), _StridedShard(0))` (a layout whose global view is not the tensor), `save` first
+all-gathers its dp shards by hand and writes the TP-local tensor the same way (each tp rank's rows once,
+the dp ranks holding the same chunk); `load` reads the TP-local rows and keeps this dp rank's.
 
-Every collective happens inside `dcp.save`/`dcp.load` and torch's state-dict helpers; nothing here
-runs one during the checkpointer's traversal.
+Every collective happens inside `dcp.save`/`dcp.load` and torch's state-dict helpers, except those dp
+all-gathers, which `save` runs on every rank in the state dict's order before `dcp.save`.
 """
 
 from __future__ import annotations
@@ -77,26 +80,25 @@ def _plain(value):
 
 
 def _check_describable(model: nn.Module) -> None:
-    """Refuse, before any collective, a parameter whose DTensor placements do not describe it.
+    """Refuse, before any collective, a fused parameter sharded again on a mesh of more than 2 dims.
 
-    Measured on torch 2.13: FSDP2 on the dp dim of a weight that a fused `ColwiseParallel`
-    (`fused_chunks` > 1, placed `_StridedShard(0)` over TP) already splits on dim 0 places it
-    `(_StridedShard(0), _StridedShard(0))`, whose global view is not the weight (`full_tensor()`
-    reorders its rows, and DCP's planner rejects the overlapping chunks). Every rank holds the same
+    FSDP2 on the dp dim of a weight that a fused `ColwiseParallel` (`fused_chunks` > 1, placed
+    `_StridedShard(0)` over TP) already splits on dim 0 places it `(_StridedShard(0), _StridedShard(0))`
+    (torch 2.13), whose global view is not the weight; `save` and `load` handle that 2-D (dp, tp) case
+    by hand (`_dp_fused`). A 3-D mesh (HSDP x TP) is not handled. Every rank holds the same
     parameters, so every rank raises here alike."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     for name, p in model.named_parameters():
-        if not isinstance(p, DTensor) or len(p.placements) < 2:
+        if not isinstance(p, DTensor) or len(p.placements) < 3:
             continue
         inner = p.placements[-1]
         if isinstance(inner, _StridedShard) and any(getattr(pl, "dim", None) == inner.dim for pl in p.placements[:-1]):
             raise ValueError(
-                f"checkpoint.save: parameter {_clean(name)!r} is placed {p.placements}: FSDP2 sharded a fused "
-                "ColwiseParallel weight (fused_chunks > 1) along the same dim again, a layout DTensor cannot describe, "
-                "so its checkpoint would hold its rows in the wrong order. Parallelize that layer with fused_chunks=1 "
-                "(separate projections), or leave it out of fully_shard's dp sharding"
+                f"checkpoint: parameter {_clean(name)!r} is placed {p.placements} on a {p.device_mesh.ndim}-D mesh: a fused "
+                "ColwiseParallel weight (fused_chunks > 1) sharded again on dim 0 checkpoints on a 2-D (dp, tp) mesh only. "
+                "Parallelize that layer with fused_chunks=1 (separate projections), or use a 2-D mesh"
             )
 
 
@@ -109,6 +111,59 @@ def _fused_chunks(value) -> int:
         if value.placements[0].dim == 0:
             return value.placements[0].split_factor
     return 1
+
+
+def _dp_fused(value) -> int:
+    """How many projections a fused `ColwiseParallel` tensor that FSDP2 also shards on a 2-D (dp, tp)
+    mesh stacks (placed `(Shard or _StridedShard(0), _StridedShard(0))`); 1 otherwise."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(value, DTensor) or len(value.placements) != 2 or value.device_mesh.ndim != 2:
+        return 1
+    dp, tp = value.placements
+    if isinstance(tp, _StridedShard) and tp.dim == 0 and getattr(dp, "dim", None) == 0:
+        return tp.split_factor
+    return 1
+
+
+def _tp_local(value, chunks: int, local: torch.Tensor):
+    """The TP-local tensor `local` (rows of this tp rank) as a 1-D fused DTensor on `value`'s tp sub-mesh,
+    replicated over dp (DCP writes a chunk that several ranks hold once)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = value.device_mesh
+    if mesh.mesh_dim_names is None:
+        raise ValueError(f"checkpoint: a fused tensor placed {value.placements} on a mesh without dim names; name them")
+    tp_mesh = mesh[mesh.mesh_dim_names[1]]
+    placement = _StridedShard(0, split_factor=chunks)
+    return DTensor.from_local(local, tp_mesh, [placement], run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _dp_rows(value) -> tuple[int, int, int]:
+    """(TP-local rows, this dp rank's first row, its row count): FSDP2 chunks dim 0 like `torch.chunk`."""
+    mesh = value.device_mesh
+    rows = value.shape[0] // mesh.size(1)
+    per = -(-rows // mesh.size(0))
+    first = min(per * mesh.get_local_rank(0), rows)
+    return rows, first, min(per, rows - first)
+
+
+def _gather_dp(value, chunks: int):
+    """All-gather a 2-D fused tensor's dp shards over the dp group by hand (padded to equal size), giving
+    the TP-local tensor as a 1-D fused DTensor. Not `full_tensor()`/`redistribute`: their layout is wrong."""
+    import torch.distributed as dist
+
+    local = value._local_tensor
+    mesh = value.device_mesh
+    rows, _, count = _dp_rows(value)
+    per = -(-rows // mesh.size(0))
+    padded = local.new_zeros((per, *local.shape[1:]))
+    padded[:count].copy_(local.detach())
+    parts = [torch.empty_like(padded) for _ in range(mesh.size(0))]
+    dist.all_gather(parts, padded, group=mesh.get_group(0))
+    return _tp_local(value, chunks, torch.cat(parts)[:rows].contiguous())
 
 
 def _stacked(value, chunks: int):
@@ -150,8 +205,10 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_i
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     state = tree_map_only(torch.Tensor, _plain, state)
     fused = {}
-    for path, container, key in _entries(state):
-        chunks = _fused_chunks(container[key])
+    for path, container, key in _entries(state):  # the same order on every rank: the dp gathers match
+        chunks, dp_chunks = _fused_chunks(container[key]), _dp_fused(container[key])
+        if dp_chunks > 1:  # TP x FSDP2: gathered over dp, then stacked like the 1-D case
+            chunks, container[key] = dp_chunks, _gather_dp(container[key], dp_chunks)
         if chunks > 1:
             fused[path] = chunks
             container[key] = _stacked(container[key], chunks)
@@ -206,11 +263,22 @@ def load(
     target = {k: (dict(v) if k == "model" else v) for k, v in state.items()}
     if "optim" in target:
         target["optim"] = {**target["optim"], "state": {f: dict(d) for f, d in target["optim"].get("state", {}).items()}}
-    gathered = []
+    gathered, dp_fused = [], []
     for path, container, key in _entries(target):
         value = container[key]
         chunks, saved = _fused_chunks(value), saved_fused.get(path, 1)
-        if chunks > 1 and saved == chunks:
+        dp_chunks = _dp_fused(value)
+        if dp_chunks > 1:  # TP x FSDP2: read the TP-local rows (fused or whole), keep this dp rank's afterwards
+            value = _plain(value)
+            rows = torch.empty((value.shape[0] // value.device_mesh.size(1), *value.shape[1:]), dtype=value.dtype)
+            tmp = _tp_local(value, dp_chunks, rows.to(value._local_tensor.device))
+            if saved == dp_chunks:
+                container[key] = _stacked(tmp, dp_chunks)
+            else:
+                container[key] = torch.empty(value.shape, dtype=value.dtype, device=tmp._local_tensor.device)
+                gathered.append((tmp, container[key], dp_chunks))
+            dp_fused.append((value, tmp))
+        elif chunks > 1 and saved == chunks:
             container[key] = _stacked(value, chunks)
         elif chunks > 1:  # saved unfused (one process): read the whole tensor, keep this rank's rows
             container[key] = torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
@@ -223,10 +291,14 @@ def load(
         elif saved > 1:  # a plain tensor here: read the stacked rows into a view of it
             container[key] = _plain(value).view(saved, -1, *value.shape[1:])
     dcp.load(target, checkpoint_id=checkpoint_id)
-    for value, full, chunks in gathered:
-        world, rank = value.device_mesh.size(), value.device_mesh.get_local_rank()
-        rows = full.view(chunks, world, -1, *full.shape[1:])[:, rank]
-        value.to_local().copy_(rows.reshape(value.to_local().shape))
+    with torch.no_grad():
+        for value, full, chunks in gathered:
+            world, rank = value.device_mesh.size(), value.device_mesh.get_local_rank()
+            rows = full.view(chunks, world, -1, *full.shape[1:])[:, rank]
+            value.to_local().copy_(rows.reshape(value.to_local().shape))
+        for value, tmp in dp_fused:
+            _, first, count = _dp_rows(value)
+            value._local_tensor.copy_(tmp._local_tensor[first : first + count])
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
