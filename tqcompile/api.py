@@ -134,15 +134,21 @@ def quantize(
             amax = ops.amax_history_update(amax_history, amax)
             amax_t = amax if columnwise else None
 
+    return _usages(x, x_t, quantizer, rowwise, columnwise, (amax, amax_t), (amax, amax_t), seed, group_name)
+
+
+def _usages(x, x_t, q: Quantizer, rowwise: bool, columnwise: bool, amaxes, recorded, seed, group_name) -> QuantizedTensor:
+    """Quantize the requested usages of `x` (columnwise from `x_t`) with the kernel amaxes `amaxes`
+    (rowwise, columnwise) and build the QuantizedTensor recording the amaxes `recorded`."""
     inner = {}
     if rowwise:
-        inner["_data"], inner["_scale_inv"] = ops.quantize(x, quantizer, amax, seed)
-        inner["_amax"] = amax
+        inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amaxes[0], seed)
+        inner["_amax"] = recorded[0]
     if columnwise:
-        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, quantizer, amax_t, seed)
-        inner["_amax_t"] = amax_t
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, q, amaxes[1], seed)
+        inner["_amax_t"] = recorded[1]
     inner = {k: v for k, v in inner.items() if v is not None}
-    return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
+    return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)
 
 
 def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, columnwise: bool, amax_history) -> None:
@@ -178,12 +184,4 @@ def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, column
 def _quantize_static(x, q: Quantizer, amax, rowwise: bool, columnwise: bool, x_t, seed, group_name) -> QuantizedTensor:
     # Same op, same kernel as a dynamic quantize: only the amax comes from the caller.
     tensor_amax = amax if q.uses_tensor_amax() else None
-    inner = {}
-    if rowwise:
-        inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amax, seed)
-        inner["_amax"] = tensor_amax
-    if columnwise:
-        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, q, amax, seed)
-        inner["_amax_t"] = tensor_amax
-    inner = {k: v for k, v in inner.items() if v is not None}
-    return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)
+    return _usages(x, x_t, q, rowwise, columnwise, (amax, amax), (tensor_amax, tensor_amax), seed, group_name)
