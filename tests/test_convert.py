@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import warnings
 
 import pytest
@@ -333,7 +334,9 @@ def test_convert_after_fully_shard_names_the_layer_and_the_order(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
