@@ -124,20 +124,25 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         torch.set_num_threads(previous_threads)
 
 
-def _run_sharded(args: argparse.Namespace, device: str, threads: int | None) -> int:
-    """`--fsdp N --tp M`: the same runs over N x M processes (started here, or by torchrun)."""
+def _demo_config(args: argparse.Namespace, device: str):
+    """The DemoConfig both the single-process and the sharded demo run with."""
     from tqcompile.demo import DemoConfig
-    from tqcompile.demo_sharded import run
 
-    backend = args.backend or ("inductor" if device == "cuda" else "aot_eager")
-    cfg = DemoConfig(
+    return DemoConfig(
         steps=args.steps,
         n_experts=4 if args.moe else 0,
         seed=args.seed,
         device=device,
-        backend=backend,
+        backend=args.backend or ("inductor" if device == "cuda" else "aot_eager"),
         log_every=max(1, args.steps // 6),
     )
+
+
+def _run_sharded(args: argparse.Namespace, device: str, threads: int | None) -> int:
+    """`--fsdp N --tp M`: the same runs over N x M processes (started here, or by torchrun)."""
+    from tqcompile.demo_sharded import run
+
+    cfg = _demo_config(args, device)
     try:
         return run(args.recipes, cfg, args.fsdp, args.tp, threads=threads)
     except ValueError as e:  # a layout the model cannot take: a usage error, before any process starts
@@ -146,19 +151,11 @@ def _run_sharded(args: argparse.Namespace, device: str, threads: int | None) -> 
 
 
 def _run(args: argparse.Namespace, device: str) -> int:
-    from tqcompile.demo import DemoConfig, format_table, plot_losses, run_demo
+    from tqcompile.demo import format_table, plot_losses, run_demo
 
-    backend = args.backend or ("inductor" if device == "cuda" else "aot_eager")
-    cfg = DemoConfig(
-        steps=args.steps,
-        n_experts=4 if args.moe else 0,
-        seed=args.seed,
-        device=device,
-        backend=backend,
-        log_every=max(1, args.steps // 6),
-    )
+    cfg = _demo_config(args, device)
     print(
-        f"tqcompile demo: bf16 + {', '.join(args.recipes)} on {device}, {cfg.steps} steps each, backend {backend}",
+        f"tqcompile demo: bf16 + {', '.join(args.recipes)} on {device}, {cfg.steps} steps each, backend {cfg.backend}",
         file=sys.stderr,
         flush=True,
     )

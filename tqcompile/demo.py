@@ -151,6 +151,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def fresh_model(cfg: DemoConfig, init_state: dict, recipe: tq.Recipe | None) -> tuple[GPT, str | None]:
+    """The demo GPT with `init_state`, converted with `recipe` (None: left in bf16), and the reason
+    the recipe cannot take it (None when it can): every run, sharded or not, starts from this."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config())
+    model.load_state_dict(init_state)
+    if recipe is not None:
+        try:
+            quantize_model(model, recipe)
+        except ValueError as e:
+            return model, str(e)
+    return model, None
+
+
 def train(
     recipe: tq.Recipe | None,
     cfg: DemoConfig,
@@ -163,15 +177,9 @@ def train(
     name = BASELINE if recipe is None else recipe.name
     result = RunResult(name)
     device = torch.device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config())
-    model.load_state_dict(init_state)
-    if recipe is not None:
-        try:
-            quantize_model(model, recipe)
-        except ValueError as e:
-            result.error = str(e)
-            return result
+    model, result.error = fresh_model(cfg, init_state, recipe)
+    if result.error is not None:
+        return result
     model.to(device)
     lr = torch.tensor(cfg.lr) if cfg.backend is not None else cfg.lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -41,11 +41,12 @@ from tqcompile.demo import (
     _sync,
     batch_offsets,
     final_window,
+    fresh_model,
     load_corpus,
 )
 from tqcompile.distributed.launch import process_group, spawn, under_torchrun
 from tqcompile.distributed.parallelize import parallelize
-from tqcompile.models.gpt import GPT, quantize_model
+from tqcompile.models.gpt import GPT
 from tqcompile.testing.comm import count_collective_bytes
 from tqcompile.testing.compile import CompileCounter
 
@@ -92,15 +93,9 @@ def train_sharded(
     device = torch.device(cfg.device)
     mesh = init_device_mesh(device.type, (fsdp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config())
-    model.load_state_dict(init_state)
-    if recipe is not None:
-        try:
-            quantize_model(model, recipe)
-        except ValueError as e:
-            result.error = str(e)
-            return result
+    model, result.error = fresh_model(cfg, init_state, recipe)
+    if result.error is not None:
+        return result
     model.to(device)
     torch.compiler.reset()  # each run compiles afresh and counts its own graphs
     counter = CompileCounter(cfg.backend) if cfg.backend is not None else CompileCounter("eager")
