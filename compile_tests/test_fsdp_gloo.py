@@ -233,10 +233,11 @@ def _check_bytes(rank: int, results: dict) -> None:
 
 
 def _check_precompute(rank: int, results: dict) -> None:
-    from tqcompile.distributed import fsdp
+    from tqcompile.distributed import fsdp, precompute
 
     calls = {"n": 0}
     original = fsdp.all_reduce_amax
+    modules = (fsdp, precompute)  # the all-gathers' and precompute_scales' reductions
 
     def counting(*args, **kwargs):
         calls["n"] += 1
@@ -246,12 +247,14 @@ def _check_precompute(rank: int, results: dict) -> None:
         recipe = tq.recipes.get(name)
         plain = results[f"parity_{name}"]  # what FSDP2 without precompute_scales gave (= one process)
         model = _shard_gpt(_gpt(recipe))
-        fsdp.all_reduce_amax = counting
+        for module in modules:
+            module.all_reduce_amax = counting
         try:
             calls["n"] = 0
             precomputed = _train(model, after_step=tq.distributed.precompute_scales)
         finally:
-            fsdp.all_reduce_amax = original
+            for module in modules:
+                module.all_reduce_amax = original
         assert precomputed == plain, (name, precomputed, plain)
         # One all-reduce per precompute_scales call (one shard group), none in the all-gathers.
         assert calls["n"] == STEPS + 1, (name, calls["n"])

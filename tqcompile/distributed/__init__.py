@@ -6,10 +6,10 @@ from tqcompile.distributed.fsdp import (
     QuantizedAllGatherWarning,
     QuantizedWeight,
     enable_quantized_all_gather,
-    precompute_scales,
     quantized_all_gather_reason,
 )
 from tqcompile.distributed.groups import all_reduce_amax, group_name_of, resolve_group
+from tqcompile.distributed.precompute import precompute_scales
 from tqcompile.distributed.recompute import recompute_in_backward
 
 _TENSOR_PARALLEL = (

@@ -49,7 +49,16 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tqcompile import ops
-from tqcompile.distributed.fsdp_tp import TPSplit, reduce_over_tp, tp_split
+from tqcompile.distributed.fsdp_layout import (
+    _cut_blocks,
+    _full_shapes,
+    _itemsize,
+    _nbytes,
+    _Plan,
+    _transposable,
+    _transpose_payload,
+)
+from tqcompile.distributed.fsdp_tp import reduce_over_tp, tp_split
 from tqcompile.distributed.groups import all_reduce_amax
 from tqcompile.distributed.recompute import recomputed_in_backward
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
@@ -61,7 +70,6 @@ __all__ = [
     "QuantizedAllGatherWarning",
     "quantized_all_gather_reason",
     "enable_quantized_all_gather",
-    "precompute_scales",
 ]
 
 aten = torch.ops.aten
@@ -101,68 +109,6 @@ def quantized_all_gather_reason(recipe: Recipe) -> str | None:
     if q.needs_seed() or getattr(q, "hadamard", False):
         return f"{q!r} uses stochastic rounding or a Hadamard transform; its weight is quantized after the gather"
     return None
-
-
-def _transposable(q: Quantizer) -> bool:
-    """The columnwise usage is the exact transpose of the rowwise one (same scale for each element)."""
-    return q.layout()[0] in (Granularity.TENSORWISE, Granularity.BLOCKWISE_2D)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What one gather of an (N, K) weight sharded over `world` ranks moves (see the module docstring)."""
-
-    quantizer: Quantizer
-    shape: tuple[int, int]
-    world: int
-    rowwise: bool
-    columnwise: bool
-    buffer_bytes: int  # per rank, equal in every gather of this weight
-    high_precision: bool = False  # shards would cut blocks: gather param_dtype, quantize after
-    tp: TPSplit | None = None  # a 2-D (TP x FSDP2) weight: the TP split its amaxes are also reduced over
-
-    @property
-    def rows(self) -> int:  # padded shard rows
-        return math.ceil(self.shape[0] / self.world)
-
-    def parts(self, rowwise: bool, columnwise: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """(inner name, per-rank shape, dtype) of what a rank packs, in buffer order."""
-        q, n, k = self.quantizer, self.rows, self.shape[1]
-        out = []
-        if rowwise:
-            out.append(("_data", q.payload_shape((n, k)), q.element_format().storage_dtype))
-            if q.layout()[0] is not Granularity.TENSORWISE:  # else one scale, equal on every rank
-                out.append(("_scale_inv", q.scale_shape((n, k)), q.scale_dtype()))
-        if columnwise:
-            out.append(("_data_t", q.payload_shape((k, n)), q.element_format().storage_dtype))
-            if q.layout()[0] is Granularity.BLOCKWISE_1D:
-                out.append(("_scale_inv_t", q.scale_shape((k, n)), q.scale_dtype()))
-        return out
-
-
-def _nbytes(parts) -> int:
-    return sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in parts)
-
-
-def _cut_blocks(q: Quantizer, shape: tuple[int, int], world: int, layer: str) -> str | None:
-    """Why shards of `shape` over `world` ranks would cut `q`'s scaling blocks (None: they do not)."""
-    n = math.ceil(shape[0] / world)
-    gran, _, block = q.layout()
-    extent, what = 1, []
-    if gran is Granularity.BLOCKWISE_2D:
-        extent, what = block, [f"its {block}x{block} blocks"]
-    elif gran is Granularity.BLOCKWISE_1D:
-        extent, what = block, [f"the columnwise (dgrad) blocks of {block} along dim 0"]
-    if q.element_format().bits == 4 and extent % 2:
-        extent, what = extent * 2, [*what, "4-bit packing"]
-    if n % extent == 0:
-        return None
-    return (
-        f"layer {layer!r}: its weight of shape {tuple(shape)} sharded over {world} ranks gives shards of {n} rows, which "
-        f"cut {' and '.join(what)} ({q!r}; shard rows must be a multiple of {extent}). It is all-gathered in high "
-        f"precision instead (same numerics, more bytes). To gather it quantized, make out_features a multiple of "
-        f"{extent * world} or shard over fewer ranks; convert with fsdp_quantized_all_gather=False to silence this."
-    )
 
 
 def _check_ranks_agree(q: Quantizer, group: dist.ProcessGroup, layer: str) -> None:
@@ -601,32 +547,6 @@ def _mark_rowwise(weight: QuantizedTensor, plan: _Plan, layer: str) -> None:
     )
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _full_shapes(q: Quantizer, rows: int, k: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the unsharded QuantizedTensor's inner tensors (both usages), as gathered: a
-    columnwise scale that `q.flat_columnwise_scale()` keeps flat is stored with `q.columnwise_scale_shape`."""
-    return {
-        "_data": q.payload_shape((rows, k)),
-        "_scale_inv": q.scale_shape((rows, k)),
-        "_amax": (),
-        "_data_t": q.payload_shape((k, rows)),
-        "_scale_inv_t": q.scale_shape((k, rows)),
-        "_amax_t": (),
-    }
-
-
-def _transpose_payload(data: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """The payload of the transpose; 4-bit payloads are unpacked (element 2i in the low nibble),
-    transposed and packed again."""
-    if q.element_format().bits != 4:
-        return data.view(_U8).t().contiguous().view(data.dtype)
-    codes = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).t()
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
-
-
 def enable_quantized_all_gather(module: nn.Module, layer: str = "", *, model: nn.Module | None = None) -> bool:
     """Make `module.weight` (a converted layer's) a `QuantizedWeight`, so FSDP2 gathers it
     quantized. Returns False, changing nothing, where its recipe cannot (`quantized_all_gather_reason`).
@@ -674,42 +594,5 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def precompute_scales(model: nn.Module) -> int:
-    """Compute the amaxes of every FSDP2-gathered weight of `model` now, in one batched pass and one
-    MAX all-reduce per shard group, so the next all-gathers run no collective of their own.
-
-    Call it after `optimizer.step()`. Optional: the all-gathers compute the same amaxes themselves
-    when it is not called (or when a weight changed after it), so results are bit-identical either
-    way. Returns how many weights it prepared.
-
-    Example:
-        >>> loss.backward(); optimizer.step(); tq.distributed.precompute_scales(model)
-    """
-    by_group: dict[str | None, list[tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor | None]]] = {}
-    for p in model.parameters():
-        w = _local(p)
-        if not isinstance(w, QuantizedWeight):
-            continue
-        found = _fsdp_param_group_of(w)
-        name = found[1].shard_mesh.get_group().group_name if found is not None else None
-        by_group.setdefault(name, []).append((w, *w._local_amaxes()))
-    count = 0
-    for name, items in by_group.items():
-        flat = [x.reshape(-1) for _, t, c in items for x in (t, c) if x is not None]
-        reduced = all_reduce_amax(torch.cat(flat), name) if flat and name is not None else (torch.cat(flat) if flat else None)
-        offset = 0
-        for w, t, c in items:
-            parts = []
-            for x in (t, c):
-                if x is None:
-                    parts.append(None)
-                else:
-                    parts.append(reduced[offset : offset + x.numel()].reshape(x.shape))
-                    offset += x.numel()
-            w._set_amaxes(*parts)
-            count += 1
-    return count
-
-
 def _is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()

@@ -18,7 +18,7 @@ is MAX-reduced over each group that splits it, to equal the single-process scale
 | per-row amax of the rowwise usage (FP8 rowwise) | tp where TP splits K (rowwise) |
 
 Blocks (MX 32, FP8 1x128 / 128x128, NVFP4 16 / 16x16) reduce nothing: the TP style already refuses
-a K or N split that cuts them, and FSDP's row split follows the 1-D rule (`fsdp._cut_blocks`: a
+a K or N split that cuts them, and FSDP's row split follows the 1-D rule (`fsdp_layout._cut_blocks`: a
 warning, then a high-precision gather).
 
 The gathered tensor records the **TP** group as its amax group: it is the group the TP layer would

@@ -1,0 +1,49 @@
+"""`precompute_scales`: the amaxes of every FSDP2-gathered weight in one batched pass, so the
+all-gathers of the next forward run no collective of their own (see `tqcompile.distributed.fsdp`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tqcompile.distributed.fsdp import QuantizedWeight, _fsdp_param_group_of, _local
+from tqcompile.distributed.groups import all_reduce_amax
+
+__all__ = ["precompute_scales"]
+
+
+def precompute_scales(model: nn.Module) -> int:
+    """Compute the amaxes of every FSDP2-gathered weight of `model` now, in one batched pass and one
+    MAX all-reduce per shard group, so the next all-gathers run no collective of their own.
+
+    Call it after `optimizer.step()`. Optional: the all-gathers compute the same amaxes themselves
+    when it is not called (or when a weight changed after it), so results are bit-identical either
+    way. Returns how many weights it prepared.
+
+    Example:
+        >>> loss.backward(); optimizer.step(); tq.distributed.precompute_scales(model)
+    """
+    by_group: dict[str | None, list[tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor | None]]] = {}
+    for p in model.parameters():
+        w = _local(p)
+        if not isinstance(w, QuantizedWeight):
+            continue
+        found = _fsdp_param_group_of(w)
+        name = found[1].shard_mesh.get_group().group_name if found is not None else None
+        by_group.setdefault(name, []).append((w, *w._local_amaxes()))
+    count = 0
+    for name, items in by_group.items():
+        flat = [x.reshape(-1) for _, t, c in items for x in (t, c) if x is not None]
+        reduced = all_reduce_amax(torch.cat(flat), name) if flat and name is not None else (torch.cat(flat) if flat else None)
+        offset = 0
+        for w, t, c in items:
+            parts = []
+            for x in (t, c):
+                if x is None:
+                    parts.append(None)
+                else:
+                    parts.append(reduced[offset : offset + x.numel()].reshape(x.shape))
+                    offset += x.numel()
+            w._set_amaxes(*parts)
+            count += 1
+    return count
