@@ -12,7 +12,7 @@ Inner tensors (any may be absent, but not both usages):
   which may be 1, in a compiled graph (see `Quantizer.flat_columnwise_scale`).
 
 Metadata: the quantizer, the original dtype, and the *name* of the amax reduction group (see
-`tqcompile.distributed.groups` for why a name and not the group). `t()` of a 2-D tensor swaps the
+`tqcompile.groups` for why a name and not the group). `t()` of a 2-D tensor swaps the
 two usages, since the rowwise usage of ``x.t()`` is the columnwise usage of ``x``.
 """
 
@@ -25,10 +25,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from tqcompile import ops
-from tqcompile.distributed.groups import resolve_group
+from tqcompile.groups import all_reduce_amax, resolve_group
 from tqcompile.quantizers import Granularity, Quantizer
 
-__all__ = ["QuantizedTensor"]
+__all__ = ["QuantizedTensor", "quantize_usages"]
 
 aten = torch.ops.aten
 _ROWWISE = ("_data", "_scale_inv", "_amax")
@@ -296,14 +296,12 @@ def _copy(func, args, kwargs):
     if dst.shape != src.shape:
         raise ValueError(f"copy_: shape mismatch, destination {tuple(dst.shape)} vs source {tuple(src.shape)}")
     if not isinstance(src, QuantizedTensor):
-        from tqcompile.api import quantize
-
-        src = quantize(
-            src.to(dst.orig_dtype) if src.dtype != dst.orig_dtype else src,
-            dst.quantizer,
-            amax_group=dst.amax_group_name,
-            rowwise=dst.has_rowwise,
-            columnwise=dst.has_columnwise,
+        # Quantized as `tq.quantize(src, dst.quantizer, amax_group=..., rowwise=..., columnwise=...)` would: its
+        # checks hold already (src has dst's shape, which dst's quantizer took, and dst's dtype after the cast).
+        x = src.to(dst.orig_dtype) if src.dtype != dst.orig_dtype else src
+        x_t = x.reshape(x.shape[:-1].numel(), x.shape[-1]).t() if dst.has_columnwise else None
+        src = quantize_usages(
+            x, x_t, dst.quantizer, rowwise=dst.has_rowwise, columnwise=dst.has_columnwise, seed=None, group_name=dst.amax_group_name
         )
     if src.quantizer != dst.quantizer or set(src._inner()) != set(dst._inner()):
         raise ValueError(
@@ -333,3 +331,60 @@ def _as_strided(func, args, kwargs):
 def _is_pinned(func, args, kwargs):
     # Asked by torch.distributed.checkpoint before it copies a tensor.
     return all(t.is_pinned() for t in args[0]._inner().values())
+
+
+def quantize_usages(
+    x: torch.Tensor,
+    x_t: torch.Tensor | None,
+    q: Quantizer,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    seed: torch.Tensor | None,
+    group_name: str | None,
+    amax_history: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """The kernels behind `tq.quantize`, once its arguments are checked: quantize the usages of `x`
+    asked for (the columnwise one from `x_t`, x's 2-D transpose) into a QuantizedTensor.
+
+    It lives here, below `tqcompile.api`, because `copy_` of a plain tensor into a QuantizedTensor
+    quantizes the same way. `amax`: a static amax (the kernels scale with it; only a tensor-level
+    one is recorded); otherwise tensor-level amaxes are computed, MAX-reduced over `group_name`
+    and, with `amax_history`, replaced by delayed scaling's. `seed` is drawn when the quantizer
+    needs one and none is given."""
+    if seed is None and q.needs_seed():
+        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
+    if amax is not None:
+        tensor_amax = amax if q.uses_tensor_amax() else None
+        return _usages(x, x_t, q, rowwise, columnwise, (amax, amax), (tensor_amax, tensor_amax), seed, group_name)
+    amax_t = None
+    if q.uses_tensor_amax():
+        amax = ops.amax(x, q)
+        if columnwise:
+            # A transform along the last dim makes the columnwise amax differ from the rowwise one.
+            amax_t = ops.amax(x_t, q) if q.hadamard_transformed() else amax
+        if group_name is not None:
+            if amax_t is not None and amax_t is not amax:
+                amax, amax_t = all_reduce_amax(torch.stack((amax, amax_t)), group_name).unbind()
+            else:
+                amax = all_reduce_amax(amax, group_name)
+                amax_t = amax if columnwise else None
+        if amax_history is not None:
+            amax = ops.amax_history_update(amax_history, amax)
+            amax_t = amax if columnwise else None
+    return _usages(x, x_t, q, rowwise, columnwise, (amax, amax_t), (amax, amax_t), seed, group_name)
+
+
+def _usages(x, x_t, q: Quantizer, rowwise: bool, columnwise: bool, amaxes, recorded, seed, group_name) -> QuantizedTensor:
+    """Quantize the requested usages of `x` (columnwise from `x_t`) with the kernel amaxes `amaxes`
+    (rowwise, columnwise) and build the QuantizedTensor recording the amaxes `recorded`."""
+    inner = {}
+    if rowwise:
+        inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amaxes[0], seed)
+        inner["_amax"] = recorded[0]
+    if columnwise:
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, q, amaxes[1], seed)
+        inner["_amax_t"] = recorded[1]
+    inner = {k: v for k, v in inner.items() if v is not None}
+    return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import parallel as _tp
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tqcompile.distributed import tp_comm
+from tqcompile.distributed.fsdp import QuantizedWeight
 from tqcompile.distributed.tp_linear import (
     REPLICATE,
     SEQUENCE,
@@ -40,7 +41,8 @@ from tqcompile.distributed.tp_linear import (
     gather_input,
     rowwise_linear,
 )
-from tqcompile.nn.linear import Linear, _Quantized
+from tqcompile.nn.base import is_converted
+from tqcompile.nn.linear import Linear
 from tqcompile.recipes import Recipe
 
 __all__ = [
@@ -89,8 +91,6 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Place
         return
     if isinstance(p, DTensor):
         raise ValueError(f"{type(module).__name__}.{name} is already a DTensor ({p.placements}); parallelize each layer once")
-    from tqcompile.distributed.fsdp import QuantizedWeight
-
     if isinstance(p, QuantizedWeight):
         # distribute_tensor returns a plain local tensor; keep the FSDP2 weight wrapper on the local
         # piece, so a later fully_shard on the dp mesh gathers it quantized (fsdp_tp).
@@ -177,7 +177,7 @@ class ColwiseParallel(_tp.ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, Linear):
-            if isinstance(module, _Quantized):
+            if is_converted(module):
                 raise TypeError(
                     f"ColwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)"
                 )
@@ -239,7 +239,7 @@ class RowwiseParallel(_tp.RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, Linear):
-            if isinstance(module, _Quantized):
+            if is_converted(module):
                 raise TypeError(
                     f"RowwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)"
                 )
@@ -282,7 +282,7 @@ class SequenceParallel(_tp.SequenceParallel):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, _Quantized):
+        if is_converted(module):
             raise TypeError(
                 f"SequenceParallel: {type(module).__name__} is a quantized layer; use ColwiseParallel(input_layouts=Shard(1)) "
                 "or RowwiseParallel(output_layouts=Shard(1)) for it"
