@@ -28,7 +28,7 @@ from tqcompile import ops
 from tqcompile.groups import all_reduce_amax, resolve_group
 from tqcompile.quantizers import Granularity, Quantizer
 
-__all__ = ["QuantizedTensor", "quantize_usages"]
+__all__ = ["QuantizedTensor"]  # quantize_usages: for tqcompile.api, not public
 
 aten = torch.ops.aten
 _ROWWISE = ("_data", "_scale_inv", "_amax")

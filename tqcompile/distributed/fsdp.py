@@ -401,7 +401,7 @@ def enable_quantized_all_gather(module: nn.Module, layer: str = "", *, model: nn
         >>> tq.distributed.enable_quantized_all_gather(model.lm_head, "lm_head", model=model)
     """
     owners = None if model is None else _parameter_owners(model)
-    return _enable(module, layer or type(module).__name__, owners, "enable_quantized_all_gather")
+    return _enable(module, layer, owners, "enable_quantized_all_gather")
 
 
 def enable_converted_layers(model: nn.Module, layers: list[str]) -> int:
@@ -422,7 +422,7 @@ def _enable(module: nn.Module, layer: str, owners: dict[int, list[tuple[str, nn.
         # A QuantizedWeight is a new Parameter: wrapping a tied weight would untie it (the embedding
         # would keep training its own copy), and the other owner could not read a quantized gather anyway.
         warnings.warn(
-            f"{caller}: layer {layer!r}: its weight is shared with {', '.join(others)} (tied weights); kept plain so "
+            f"{caller}: layer {layer or type(module).__name__!r}: its weight is shared with {', '.join(others)} (tied weights); kept plain so "
             "that it stays tied: FSDP2 all-gathers it in high precision (its GEMMs still run quantized)",
             QuantizedAllGatherWarning,
             stacklevel=3,
