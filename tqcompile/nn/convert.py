@@ -1,4 +1,6 @@
-"""`tq.convert`: swap a model's layers for quantized ones, in place, through a registry.
+"""The layer half of `tq.convert` (`convert_layers`): swap a model's layers for quantized ones, in
+place, through a registry. (`tq.convert` itself, in `tqcompile.conversion`, then sets up FSDP2's
+quantized all-gather of the converted weights.)
 
 A module is converted by the registered converter of the first class in its MRO that has one,
 so subclasses of `nn.Linear` match too. A subclass is converted by giving the module a new class
