@@ -207,12 +207,11 @@ class WeightShard(WeightSource):
     def gathered_error(self, weight, what):
         # FSDP2 gathered it quantized on a 2-D mesh (`tqcompile.distributed.fsdp_tp`): its amaxes must
         # have been reduced over the TP group too, or its scales are not the single-process ones.
-        if weight.amax_group_name != self.group:
-            return (
-                f"{what}: the gathered weight's amaxes were reduced over group {weight.amax_group_name!r}, not over "
-                f"this layer's TP group {self.group!r}; its scales would not be the single-process ones"
-            )
-        return None
+        group = weight.amax_group_name
+        return None if group == self.group else (
+            f"{what}: the gathered weight's amaxes were reduced over group {group!r}, not over this layer's TP group "
+            f"{self.group!r}; its scales would not be the single-process ones"
+        )
 
 
 class _AnchorGrad(torch.autograd.Function):
@@ -233,44 +232,37 @@ class _AnchorGrad(torch.autograd.Function):
 def gather_input(x: torch.Tensor, recipe: Recipe, group: str, world: int, seq_dim: int, what: str) -> SequenceGatheredInput:
     """Quantize a sequence-sharded activation once and all-gather it quantized, for several consumers."""
     source = SequenceShard(group=group, world=world, seq_dim=seq_dim, what=what)
-    batch = source.batch(x.shape)
-    full_shape = (*source.gathered_lead(x.shape), x.shape[-1])
-    qx, qxw = source.operands(
-        x.detach().reshape(-1, x.shape[-1]),
-        recipe.fprop_input,
-        recipe.wgrad_input,
-        row=True,
-        col=torch.is_grad_enabled(),
-        amax_history=None,
-        batch=batch,
-        what=f"{what} input",
-    )
+    batch, full_shape = source.batch(x.shape), (*source.gathered_lead(x.shape), x.shape[-1])
+    x2, r, grad = x.detach().reshape(-1, x.shape[-1]), recipe, torch.is_grad_enabled()
+    qx, qxw = source.operands(x2, r.fprop_input, r.wgrad_input, row=True, col=grad, amax_history=None, batch=batch, what=f"{what} input")
     anchor = (
-        _AnchorGrad.apply(x, full_shape, group, world, batch)
-        if x.requires_grad and torch.is_grad_enabled()
-        else x.new_zeros(()).expand(full_shape)
+        _AnchorGrad.apply(x, full_shape, group, world, batch) if x.requires_grad and grad else x.new_zeros(()).expand(full_shape)
     )
     return SequenceGatheredInput(anchor, qx, qxw)
 
 
-def _apply(x, weight, bias, recipe, input_, weight_, output, what, histories, update_histories, given=(None, None)):
+def _apply(x, weight, bias, recipe, sources, what: str, histories, update_histories: bool, given=(None, None)):
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    args = LinearFwdArgs(recipe, input_, weight_, output, backward=backward, update_histories=update_histories, what=what)
+    args = LinearFwdArgs(recipe, *sources, backward=backward, update_histories=update_histories, what=what)
     return apply_linear(x, weight, bias, args, histories, given)
+
+
+def _whole_side(mode: str, group: str, world: int, seq_dim: int, what: str) -> ActivationSource:
+    """The side of the layer that TP does not split on the features: replicated, or sequence-sharded."""
+    return SequenceShard(group=group, world=world, seq_dim=seq_dim, what=what) if mode == SEQUENCE else Replicated(group=group)
 
 
 def colwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories, update_histories=True) -> torch.Tensor:
     """y = x @ W.T + b with W (and b) sharded on the output features (see the module docstring)."""
-    output = FeatureShard(group=group)
-    if isinstance(x, SequenceGatheredInput):
-        if x.fprop.quantizer != recipe.fprop_input:
-            raise ValueError(
-                f"{what}: the shared gathered input was quantized with {x.fprop.quantizer!r}, but this layer's recipe {recipe.name!r} wants {recipe.fprop_input!r}"
-            )
-        given = (x.fprop, x.wgrad)
-        return _apply(x.anchor, weight, bias, recipe, SharedGather(), WeightShard(group=group, split_dim=0), output, what, histories, update_histories, given)
-    source = SequenceShard(group=group, world=world, seq_dim=seq_dim, what=what) if mode == SEQUENCE else Replicated(group=group)
-    return _apply(x, weight, bias, recipe, source, WeightShard(group=group, split_dim=0), output, what, histories, update_histories)
+    weight_, output = WeightShard(group=group, split_dim=0), FeatureShard(group=group)
+    if not isinstance(x, SequenceGatheredInput):
+        sources = (_whole_side(mode, group, world, seq_dim, what), weight_, output)
+        return _apply(x, weight, bias, recipe, sources, what, histories, update_histories)
+    if x.fprop.quantizer != recipe.fprop_input:
+        raise ValueError(
+            f"{what}: the shared gathered input was quantized with {x.fprop.quantizer!r}, but this layer's recipe {recipe.name!r} wants {recipe.fprop_input!r}"
+        )
+    return _apply(x.anchor, weight, bias, recipe, (SharedGather(), weight_, output), what, histories, update_histories, (x.fprop, x.wgrad))
 
 
 def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories, update_histories=True) -> torch.Tensor:
@@ -279,5 +271,5 @@ def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, h
         raise TypeError(
             f"{what}: a shared gathered input (QuantizedSequenceParallelInput) feeds ColwiseParallel layers only, not RowwiseParallel"
         )
-    output = SequenceShard(group=group, world=world, seq_dim=seq_dim, what=what) if mode == SEQUENCE else Replicated(group=group)
-    return _apply(x, weight, bias, recipe, FeatureShard(group=group), WeightShard(group=group, split_dim=1), output, what, histories, update_histories)
+    sources = (FeatureShard(group=group), WeightShard(group=group, split_dim=1), _whole_side(mode, group, world, seq_dim, what))
+    return _apply(x, weight, bias, recipe, sources, what, histories, update_histories)

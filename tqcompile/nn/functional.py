@@ -37,12 +37,12 @@ import torch
 
 from tqcompile import ops
 from tqcompile.nn._checks import linear_input_error
-from tqcompile.nn.operands import ActivationSource, WeightSource, qgemm
+from tqcompile.nn.operands import ActivationSource, Gemm, WeightSource, qgemm
 from tqcompile.ops.errors import raise_error
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 
-__all__ = ["linear", "qgemm", "LinearFwdArgs"]
+__all__ = ["linear", "qgemm"]
 
 _LOCAL_ACTIVATION, _LOCAL_WEIGHT = ActivationSource(), WeightSource()
 
@@ -71,19 +71,6 @@ class _LinearBwdArgs:
     has_bias: bool
 
 
-def _roll_histories(histories, current_amaxes, update: bool):
-    """Roll the input and weight histories (training only); return the gradient's history to quantize
-    dy with (a copy in eval mode, so it scales from the history without rolling it)."""
-    hist_x, hist_w, hist_dy = histories
-    if hist_dy is not None and not update:
-        hist_dy = hist_dy.clone()
-    if hist_x is not None and update:
-        ops.amax_history_update(hist_x, current_amaxes[0])
-        if hist_w is not None:  # None: an FSDP2-gathered weight, whose gather rolled it
-            ops.amax_history_update(hist_w, current_amaxes[1])
-    return hist_dy
-
-
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, given_fprop, given_wgrad, args: LinearFwdArgs, hist_x, hist_w, hist_dy):
@@ -104,10 +91,7 @@ class _Linear(torch.autograd.Function):
             qx, x_col = xs.operands(
                 x2, r.fprop_input, r.wgrad_input, row=True, col=want_col, amax_history=next_x, batch=in_batch, what=f"{args.what} input", defer_col=True
             )
-        if not need_wgrad:
-            saved_x = (None, None)
-        else:
-            saved_x = (x2, None) if hp_wgrad else (qx if x_col is None else None, x_col)
+        saved_x = (None, None) if not need_wgrad else (x2, None) if hp_wgrad else (qx if x_col is None else None, x_col)
 
         gathered = isinstance(weight, QuantizedTensor)  # by FSDP2, quantized, with the usages this pass needs
         w_quantized = need_dgrad and (gathered or r.dgrad_weight == r.fprop_weight)
@@ -115,7 +99,7 @@ class _Linear(torch.autograd.Function):
         lead = xs.gathered_lead(x.shape)
         out_batch = ys.batch(torch.Size((*lead, x.shape[-1])))
         out_lead = ys.scattered_lead(lead)
-        y = ys.reduce(xs.gemm(qx, False, qw, False, x.dtype), out_batch)
+        y = ys.reduce(xs.gemm(Gemm.FPROP, qx, qw, x.dtype), out_batch)
         if bias is not None:
             y = y + bias.to(y.dtype)
 
@@ -134,7 +118,13 @@ class _Linear(torch.autograd.Function):
         a: _LinearBwdArgs = ctx.args
         r, xs, ys = a.fwd.recipe, a.fwd.input, a.fwd.output
         saved_w, x_row, x_col, current_amaxes = ctx.saved_tensors
-        hist_dy = _roll_histories(ctx.histories, current_amaxes, a.fwd.update_histories)
+        hist_x, hist_w, hist_dy = ctx.histories
+        if hist_dy is not None and not a.fwd.update_histories:
+            hist_dy = hist_dy.clone()  # eval mode: scale dy from its history, leave the history as it is
+        if hist_x is not None and a.fwd.update_histories:
+            ops.amax_history_update(hist_x, current_amaxes[0])
+            if hist_w is not None:  # None: an FSDP2-gathered weight, whose gather rolled it
+                ops.amax_history_update(hist_w, current_amaxes[1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         quant_wgrad = need_wgrad and r.wgrad_grad is not None
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -146,12 +136,11 @@ class _Linear(torch.autograd.Function):
         dx = dw = None
         if need_dgrad:
             qw_t = saved_w if a.weight_quantized else a.fwd.weight.quantize(saved_w, r.dgrad_weight, rowwise=False, columnwise=True)
-            dx2 = xs.gemm(qdy, False, qw_t, True, a.input_dtype)
-            dx = xs.reduce(dx2, a.input_batch).reshape(a.input_shape)
+            dx = xs.reduce(xs.gemm(Gemm.DGRAD, qdy, qw_t, a.input_dtype), a.input_batch).reshape(a.input_shape)
         if quant_wgrad:
             qdy_t = ys.wgrad_operand(qdy, qdy_col, a.output_batch, deferred=False)
             qx_t = xs.wgrad_operand(x_row, x_col, a.input_batch, deferred=True)
-            dw = xs.gemm(qdy_t, True, qx_t, True, saved_w.dtype)
+            dw = xs.gemm(Gemm.WGRAD, qdy_t, qx_t, saved_w.dtype)
         elif need_wgrad:
             dy_full, x_full = ys.gather_hp(dy2, a.output_batch), xs.gather_hp(x_row, a.input_batch)
             # Eager runs this backward outside the forward's autocast, while AOTAutograd traces it
@@ -161,34 +150,25 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
-def _gathered_weight_error(weight: QuantizedTensor, args: LinearFwdArgs) -> str | None:
-    r = args.recipe
-    if not (weight.quantizer == r.fprop_weight == r.dgrad_weight):
-        return (
-            f"{args.what}: a quantized weight ({weight!r}) must use recipe {r.name!r}'s fprop and dgrad weight quantizer "
-            f"({r.fprop_weight!r}, {r.dgrad_weight!r})"
-        )
-    # An FSDP2-gathered weight whose backward all-gather left the rowwise usage unfilled, read by a
-    # recomputed forward (tqcompile.distributed.fsdp): never a silently wrong result.
-    return args.weight.gathered_error(weight, args.what) or weight.rowwise_not_gathered
-
-
 def apply_linear(x, weight, bias, args: LinearFwdArgs, histories=None, given=(None, None), input_error=None) -> torch.Tensor:
     """Run the quantized linear `args` describes, after the checks every layout shares.
 
     `histories`: the delayed-scaling buffers (input, weight, grad) or None; `given`: x's operands
     quantized before (fprop, wgrad), x then being the anchor of their gradient; `input_error`: an
     (exception type, message) the caller found in its own checks."""
-    error = input_error
-    if error is None and isinstance(weight, QuantizedTensor):
-        message = _gathered_weight_error(weight, args)
+    error, r = input_error, args.recipe
+    if error is None and isinstance(weight, QuantizedTensor):  # gathered by FSDP2
+        if not (weight.quantizer == r.fprop_weight == r.dgrad_weight):
+            message = f"{args.what}: a quantized weight ({weight!r}) must use recipe {r.name!r}'s fprop and dgrad weight quantizer"
+        else:  # weight.rowwise_not_gathered: a recomputed forward reads a usage the gather left unfilled
+            message = args.weight.gathered_error(weight, args.what) or weight.rowwise_not_gathered
         error = None if message is None else (ValueError, message)
     if error is not None:
         # Raises now in eager mode; under torch.compile, when the compiled code runs, so the user
         # sees this message rather than Dynamo's "Observed exception" (tqcompile.ops.errors).
         lead = args.output.scattered_lead(args.input.gathered_lead(x.shape))
         return raise_error(*error, like=x, shape=(*lead, weight.shape[0]))
-    hist_x, hist_w, hist_dy = histories if args.recipe.amax_history_len and histories is not None else (None, None, None)
+    hist_x, hist_w, hist_dy = histories if r.amax_history_len and histories is not None else (None, None, None)
     return _Linear.apply(x, weight, bias, *given, args, hist_x, hist_w, hist_dy)
 
 

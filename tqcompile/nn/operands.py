@@ -24,6 +24,7 @@ is the grouped op, and a `WeightSource` for the 3-D expert weight.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 
@@ -32,22 +33,28 @@ from tqcompile.api import quantize
 from tqcompile.quantizers import Quantizer
 from tqcompile.tensor import QuantizedTensor
 
-__all__ = ["ActivationSource", "WeightSource", "qgemm"]
+__all__ = ["ActivationSource", "WeightSource", "Gemm", "qgemm"]
 
 
 def qgemm(a: QuantizedTensor, a_columnwise: bool, b: QuantizedTensor, b_columnwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """``a_usage @ b_usage.T`` for two 2-D quantized operands; ``*_columnwise`` picks the usage that
-    is blocked along the GEMM's reduction dim (see `tqcompile.ops.gemm`). Call it with keywords:
-    ``qgemm(qdy, a_columnwise=False, b=qw, b_columnwise=True, out_dtype=x.dtype)`` is dgrad."""
+    is blocked along the GEMM's reduction dim (see `tqcompile.ops.gemm`). The linear names its GEMMs
+    instead (`Gemm`): ``source.gemm(Gemm.DGRAD, qdy, qw, x.dtype)``."""
     return ops.gemm_tn(*a.usage(a_columnwise), a.quantizer, *b.usage(b_columnwise), b.quantizer, out_dtype)
+
+
+class Gemm(enum.Enum):
+    """The three GEMMs of a linear layer (`tqcompile.recipes`), valued by the usages of (a, b) they read."""
+
+    FPROP = (False, False)  # y  = x · Wᵀ: rowwise x, rowwise W
+    DGRAD = (False, True)  # dx = dy · W: rowwise dy, columnwise W
+    WGRAD = (True, True)  # dW = dyᵀ · x: columnwise dy, columnwise x
 
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSource:
-    """An activation (the input x, or the output y with its gradient dy) held whole by this rank.
-
-    `amax_group`: the ranks that share its amaxes (`tq.nn.functional.linear`'s `amax_group`).
-    """
+    """An activation (the input x, or the output y with its gradient dy) held whole by this rank;
+    `amax_group`: the ranks that share its amaxes (`tq.nn.functional.linear`'s `amax_group`)."""
 
     amax_group: str | None = None
 
@@ -56,15 +63,14 @@ class ActivationSource:
         return quantize(t, q, amax_group=self.amax_group, rowwise=rowwise, columnwise=columnwise, amax_history=amax_history)
 
     def batch(self, shape: torch.Size) -> int:
-        """What the source needs to know of the activation's shape in backward (sequences: the batch size)."""
+        """What backward needs of the activation's shape (sequence shards: the batch size)."""
         return 0
 
     def gathered_lead(self, shape: torch.Size) -> tuple[int, ...]:
-        """The leading dims the GEMMs see of an input of `shape` (sequence shards: the whole sequence)."""
+        """The leading dims the GEMMs see of an input of `shape`; `scattered_lead` those of the output."""
         return tuple(shape[:-1])
 
     def scattered_lead(self, lead: tuple[int, ...]) -> tuple[int, ...]:
-        """The leading dims of an output whose GEMM saw `lead` (sequence shards: this rank's part)."""
         return lead
 
     def operands(self, t2, q_row, q_col, *, row: bool, col: bool, amax_history, batch: int, what: str, defer_col=False):
@@ -97,9 +103,9 @@ class ActivationSource:
         """The bias gradient from this rank's `dy.sum(0)`."""
         return db
 
-    def gemm(self, a, a_columnwise: bool, b, b_columnwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
-        """The GEMM on this activation's tokens (grouped experts: one per token segment)."""
-        return qgemm(a, a_columnwise, b, b_columnwise, out_dtype)
+    def gemm(self, gemm: Gemm, a, b, out_dtype: torch.dtype) -> torch.Tensor:
+        """`gemm` on this activation's tokens (grouped experts would run one per token segment)."""
+        return qgemm(a, gemm.value[0], b, gemm.value[1], out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
