@@ -164,9 +164,7 @@ class SequenceShard(ActivationSource):
                 qts.append(col_local)
         gathered = comm.all_gather_tokens(qts, self.group, self.world, batch) if qts else []
         qa = gathered[0] if row or transposed else None
-        if col_local is not None and not defer_col:
-            return qa, gathered[-1]
-        return qa, col_local
+        return qa, gathered[-1] if col_local is not None and not defer_col else col_local
 
     def wgrad_operand(self, row, col, batch, deferred):
         if col is not None and deferred:

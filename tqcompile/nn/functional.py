@@ -2,31 +2,23 @@
 are explained in `tqcompile.recipes`; where each operand lives (this process, a tensor-parallel
 shard) is asked of the operand sources of `tqcompile.nn.operands`.
 
-What forward hands to backward is one typed object, `_LinearBwdArgs` (which holds the call's
-`LinearFwdArgs`), plus the tensors saved with `save_for_backward`:
+Forward hands backward one typed object, `_LinearBwdArgs` (holding the call's `LinearFwdArgs`),
+and saves: for dgrad, what `WeightSource.operands` keeps (W's columnwise usage, or W itself) or
+FSDP2's gathered QuantizedTensor; for wgrad, x's columnwise usage quantized in forward (1 byte or
+less per element instead of 2-4; see `ActivationSource.operands`), or x itself for a
+high-precision wgrad.
 
-- for dgrad: the weight's columnwise usage when fprop and dgrad share the weight quantizer
-  (quantized once in forward), the gathered QuantizedTensor of FSDP2, else the high-precision
-  weight (a parameter: no extra memory);
-- for wgrad: the input's columnwise usage, quantized in forward (1 byte or less per element
-  instead of 2-4; a sequence shard keeps it unsent, or keeps the gathered rowwise payload where the
-  columnwise one is its transpose), or the high-precision input when the recipe runs wgrad in high
-  precision.
+dy is quantized for a GEMM only where that GEMM runs: for dgrad where x needs a gradient (or
+delayed scaling rolls dy's history), for wgrad where W needs one and the recipe quantizes wgrad.
+A stochastically rounded quantize that a compiled backward drops as dead code would still draw
+from torch's generator in eager mode, and every later draw would differ.
 
-The gradient dy is quantized for a GEMM only where that GEMM runs: for dgrad where x needs a
-gradient (or delayed scaling rolls dy's history), for wgrad where W needs one and the recipe
-quantizes wgrad. A stochastically rounded quantize that a compiled backward drops as dead code
-would still draw from torch's generator in eager mode, and every later draw would differ (a first
-layer, whose input needs no grad, would get another wgrad seed).
-
-Delayed scaling rolls all three amax histories in backward, not the input's and weight's in
-forward: forward quantizes from copies of them (the op rolls the copy, whose index 0 then holds
-this call's amax, group-reduced where the operand is), so a recomputed forward (activation
-checkpointing, eager or compiled) sees the histories the original forward saw and quantizes bit
-for bit the same. The forward's amaxes reach backward as a saved tensor; the buffers travel on
-`ctx` (not saved tensors, whose version check would fail when a layer is called again before this
-backward). A weight FSDP2 gathered quantized was scaled from, and rolled, its history by the
-gather, so backward leaves that one alone.
+Delayed scaling rolls all three amax histories in backward: forward quantizes from copies (the op
+rolls the copy, whose index 0 then holds this call's amax, group-reduced where the operand is), so
+a recomputed forward (activation checkpointing, eager or compiled) sees the histories the original
+saw and quantizes bit for bit the same. The amaxes reach backward as a saved tensor; the buffers
+travel on `ctx` (as saved tensors, their version check would fail when a layer is called again
+before this backward). A weight FSDP2 gathered quantized had its history rolled by the gather.
 """
 
 from __future__ import annotations
@@ -87,15 +79,15 @@ class _Linear(torch.autograd.Function):
             qx, x_col = given_fprop, given_wgrad
         else:
             x2 = x.reshape(-1, x.shape[-1])
-            want_col = need_wgrad and not hp_wgrad
-            qx, x_col = xs.operands(
-                x2, r.fprop_input, r.wgrad_input, row=True, col=want_col, amax_history=next_x, batch=in_batch, what=f"{args.what} input", defer_col=True
-            )
+            col, what = need_wgrad and not hp_wgrad, f"{args.what} input"
+            qx, x_col = xs.operands(x2, r.fprop_input, r.wgrad_input, row=True, col=col, amax_history=next_x, batch=in_batch, what=what, defer_col=True)
         saved_x = (None, None) if not need_wgrad else (x2, None) if hp_wgrad else (qx if x_col is None else None, x_col)
 
         gathered = isinstance(weight, QuantizedTensor)  # by FSDP2, quantized, with the usages this pass needs
-        w_quantized = need_dgrad and (gathered or r.dgrad_weight == r.fprop_weight)
-        qw = weight if gathered else args.weight.quantize(weight, r.fprop_weight, columnwise=w_quantized, amax_history=next_w)
+        if gathered:
+            qw, saved_w, w_quantized = weight, weight, need_dgrad
+        else:
+            qw, saved_w, w_quantized = args.weight.operands(weight, r.fprop_weight, r.dgrad_weight, dgrad=need_dgrad, amax_history=next_w)
         lead = xs.gathered_lead(x.shape)
         out_batch = ys.batch(torch.Size((*lead, x.shape[-1])))
         out_lead = ys.scattered_lead(lead)
@@ -103,7 +95,6 @@ class _Linear(torch.autograd.Function):
         if bias is not None:
             y = y + bias.to(y.dtype)
 
-        saved_w = qw.keep_usages(rowwise=False, columnwise=True) if w_quantized and not gathered else weight
         current_amaxes = None if next_x is None else torch.stack((next_x[0], next_w[0]))
         ctx.save_for_backward(saved_w, *saved_x, current_amaxes)
         ctx.histories = (hist_x, None if gathered else hist_w, hist_dy)
@@ -135,7 +126,7 @@ class _Linear(torch.autograd.Function):
         )
         dx = dw = None
         if need_dgrad:
-            qw_t = saved_w if a.weight_quantized else a.fwd.weight.quantize(saved_w, r.dgrad_weight, rowwise=False, columnwise=True)
+            qw_t = a.fwd.weight.dgrad_operand(saved_w, r.dgrad_weight, a.weight_quantized)
             dx = xs.reduce(xs.gemm(Gemm.DGRAD, qdy, qw_t, a.input_dtype), a.input_batch).reshape(a.input_shape)
         if quant_wgrad:
             qdy_t = ys.wgrad_operand(qdy, qdy_col, a.output_batch, deferred=False)

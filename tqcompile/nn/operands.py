@@ -116,6 +116,18 @@ class WeightSource:
         """`w` quantized so that it is this rank's part of the whole weight's quantization."""
         return quantize(w, q, rowwise=rowwise, columnwise=columnwise, amax_history=amax_history)
 
+    def operands(self, w: torch.Tensor, q_fprop: Quantizer, q_dgrad: Quantizer, *, dgrad: bool, amax_history):
+        """(fprop's operand, what backward keeps for dgrad, whether that is quantized): W's columnwise
+        usage where both GEMMs share the quantizer (quantized once), else W itself (a parameter:
+        no extra memory), quantized by `dgrad_operand` in backward."""
+        shared = dgrad and q_dgrad == q_fprop
+        qw = self.quantize(w, q_fprop, columnwise=shared, amax_history=amax_history)
+        return qw, qw.keep_usages(rowwise=False, columnwise=True) if shared else w, shared
+
+    def dgrad_operand(self, saved: torch.Tensor, q_dgrad: Quantizer, quantized: bool):
+        """dgrad's columnwise operand from what `operands` kept."""
+        return saved if quantized else self.quantize(saved, q_dgrad, rowwise=False, columnwise=True)
+
     def gathered_error(self, weight: QuantizedTensor, what: str) -> str | None:
         """Why a weight FSDP2 gathered quantized cannot serve this source (None if it can)."""
         return None
