@@ -11,8 +11,9 @@ Inner tensors (any may be absent, but not both usages):
   1-D blocks (MX, NVFP4 1x16, FP8 1x128), so a dynamic token count T never puts a T // block dim,
   which may be 1, in a compiled graph (see `Quantizer.flat_columnwise_scale`).
 
-Metadata: the quantizer, the original dtype, and the *name* of the amax reduction group (see
-`tqcompile.distributed.groups` for why a name and not the group). `t()` of a 2-D tensor swaps the
+Metadata: the quantizer, the original dtype, the *name* of the amax reduction group (see
+`tqcompile.distributed.groups` for why a name and not the group), and `rowwise_not_gathered`, the
+error to raise where an FSDP2 gather left the rowwise usage unfilled (None otherwise). `t()` of a 2-D tensor swaps the
 two usages, since the rowwise usage of ``x.t()`` is the columnwise usage of ``x``.
 """
 
