@@ -11,8 +11,9 @@ Inner tensors (any may be absent, but not both usages):
   1-D blocks (MX, NVFP4 1x16, FP8 1x128), so a dynamic token count T never puts a T // block dim,
   which may be 1, in a compiled graph (see `Quantizer.flat_columnwise_scale`).
 
-Metadata: the quantizer, the original dtype, and the *name* of the amax reduction group (see
-`tqcompile.groups` for why a name and not the group). `t()` of a 2-D tensor swaps the
+Metadata: the quantizer, the original dtype, the *name* of the amax reduction group (see
+`tqcompile.groups` for why a name and not the group), and `rowwise_not_gathered`, the error to
+raise where an FSDP2 gather left the rowwise usage unfilled (None otherwise). `t()` of a 2-D tensor swaps the
 two usages, since the rowwise usage of ``x.t()`` is the columnwise usage of ``x``.
 """
 
@@ -53,13 +54,24 @@ class QuantizedTensor(torch.Tensor):
     _amax_t: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, **inner):
+    def __new__(
+        cls, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, *, rowwise_not_gathered=None, **inner
+    ):
         ref = inner.get("_data") if inner.get("_data") is not None else inner.get("_data_t")
         if ref is None:
             raise ValueError("QuantizedTensor needs a rowwise (_data) or a columnwise (_data_t) payload")
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=orig_dtype, device=ref.device, requires_grad=False)
 
-    def __init__(self, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, **inner):
+    def __init__(
+        self,
+        shape,
+        quantizer: Quantizer,
+        orig_dtype: torch.dtype,
+        amax_group_name: str | None = None,
+        *,
+        rowwise_not_gathered: str | None = None,
+        **inner,
+    ):
         unknown = set(inner) - set(_INNER)
         if unknown:
             raise TypeError(f"QuantizedTensor: unknown inner tensors {sorted(unknown)}; allowed: {_INNER}")
@@ -68,6 +80,9 @@ class QuantizedTensor(torch.Tensor):
         self.quantizer = quantizer
         self.orig_dtype = orig_dtype
         self.amax_group_name = amax_group_name
+        # The error to raise where a GEMM reads the rowwise usage, set by the FSDP2 all-gather that
+        # left it unfilled (`tqcompile.distributed.fsdp`), else None. Metadata, so Dynamo guards on it.
+        self.rowwise_not_gathered = rowwise_not_gathered
 
     # --- public accessors ----------------------------------------------------------------
     @property
@@ -110,12 +125,13 @@ class QuantizedTensor(torch.Tensor):
 
     # --- tracing ---------------------------------------------------------------------------
     def __tensor_flatten__(self):
-        return [n for n in _INNER if getattr(self, n) is not None], (self.quantizer, self.orig_dtype, self.amax_group_name)
+        meta = (self.quantizer, self.orig_dtype, self.amax_group_name, self.rowwise_not_gathered)
+        return [n for n in _INNER if getattr(self, n) is not None], meta
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta, outer_size, outer_stride):
-        quantizer, orig_dtype, group_name = meta
-        return QuantizedTensor(outer_size, quantizer, orig_dtype, group_name, **inner)
+        quantizer, orig_dtype, group_name, not_gathered = meta
+        return QuantizedTensor(outer_size, quantizer, orig_dtype, group_name, rowwise_not_gathered=not_gathered, **inner)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -123,8 +139,15 @@ class QuantizedTensor(torch.Tensor):
         return {n: getattr(self, n) for n in _INNER if getattr(self, n) is not None}
 
     def _with(self, shape=None, orig_dtype=None, **inner) -> QuantizedTensor:
+        # The same payloads (views, copies): an unfilled rowwise usage stays unfilled where it is kept.
+        not_gathered = self.rowwise_not_gathered if "_data" in inner else None
         return QuantizedTensor(
-            self.shape if shape is None else shape, self.quantizer, orig_dtype or self.orig_dtype, self.amax_group_name, **inner
+            self.shape if shape is None else shape,
+            self.quantizer,
+            orig_dtype or self.orig_dtype,
+            self.amax_group_name,
+            rowwise_not_gathered=not_gathered,
+            **inner,
         )
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], **kw) -> QuantizedTensor:
@@ -206,7 +229,9 @@ def _transpose(func, args, kwargs):
             swapped["_scale_inv"] = swapped["_scale_inv"].reshape(q.scale_shape(shape))
         if "_scale_inv_t" in swapped:
             swapped["_scale_inv_t"] = swapped["_scale_inv_t"].reshape(-1)
-    return self._with(shape=shape, **swapped)
+    # Not `_with`: the rowwise usage of the result is this one's columnwise usage, which an FSDP2
+    # gather that left the rowwise usage unfilled did bring (no `rowwise_not_gathered`).
+    return QuantizedTensor(shape, q, self.orig_dtype, self.amax_group_name, **swapped)
 
 
 @_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)

@@ -366,17 +366,17 @@ def _gather_plan(weight: QuantizedWeight, shape: tuple[int, int], world: int, mo
 
 
 def _mark_rowwise(weight: QuantizedTensor, plan: _Plan, layer: str) -> None:
-    """Record on the gathered weight whether this gather left its rowwise usage unfilled, as the
-    error `tq.nn.functional.linear` raises if a forward reads it anyway: a forward recomputed by
-    activation checkpointing that `tqcompile.distributed.recompute` could not see.
+    """Record on the gathered weight (`QuantizedTensor.rowwise_not_gathered`) whether this gather left
+    its rowwise usage unfilled, as the error the quantized linear raises if a forward reads it anyway:
+    a forward recomputed by activation checkpointing that `tqcompile.distributed.recompute` could not see.
 
-    The attribute exists only while it holds an error: Dynamo guards on its presence, so a compiled
-    forward called again on such a weight recompiles and raises, and a forward on a weight whose
-    rowwise usage is there never sees it (no recompile between steps)."""
+    The field is tensor metadata: Dynamo guards on it, so a compiled forward called again on such a
+    weight recompiles and raises, and a forward on a weight whose rowwise usage is there never sees it
+    (no recompile between steps)."""
     if plan.rowwise or plan.high_precision:
-        weight.__dict__.pop("_rowwise_not_gathered", None)
+        weight.rowwise_not_gathered = None
         return
-    weight._rowwise_not_gathered = (
+    weight.rowwise_not_gathered = (
         f"tq FSDP2 quantized all-gather: layer {layer!r}: its forward ran during backward (activation checkpointing "
         f"recomputes it) and read the weight's rowwise usage, which FSDP2's backward all-gather did not bring: for "
         f"{plan.quantizer!r} the backward gathers only dgrad's columnwise usage, unless it knows the forward is "

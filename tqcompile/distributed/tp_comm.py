@@ -44,7 +44,6 @@ __all__ = [
     "all_gather_seq",
     "reduce_scatter_seq",
     "all_reduce_sum",
-    "transposable",
 ]
 
 _ROW, _COL = "rowwise", "columnwise"
@@ -147,11 +146,6 @@ def quantize_shard(
         suffix = "" if usage == _ROW else "_t"
         inner["_data" + suffix], inner["_scale_inv" + suffix] = data, scale_inv
     return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
-
-
-def transposable(q: Quantizer) -> bool:
-    """`q.columnwise_is_byte_transpose()`; alias until the linear merge (tp_linear.py calls it)."""
-    return q.columnwise_is_byte_transpose()
 
 
 def columnwise_from_rowwise(qt: QuantizedTensor) -> QuantizedTensor:
