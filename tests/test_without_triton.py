@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "train_your_model.py"
 _MARKER = "@@tqcompile-no-triton@@"
+pytestmark = pytest.mark.slow  # one child process that compiles with inductor: 25-45 s of CPU time
 
 _CHILD = """
 import json, runpy, sys, warnings
