@@ -69,7 +69,7 @@ def test_the_inductor_example_trains_without_triton(child):
     stdout, result = child
     losses = [float(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("mxfp8 step ")]
     assert len(losses) == 8, stdout
-    assert losses[-1] < losses[0] - 1.0, losses  # the example asserts it too; this says what it printed
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses  # the example asserts it too; this says what it printed
     assert result["triton_imported"] == [], "nothing may import Triton on the CPU path"
 
 

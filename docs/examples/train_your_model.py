@@ -7,8 +7,8 @@ tqcompile's. `tq.convert` swaps its nn.Linear layers for quantized ones in place
 head stays high precision), `torch.compile(fullgraph=True)` compiles forward and backward with
 inductor, the default backend, which generates C++ on a CPU and Triton on a GPU, and AdamW
 steps the weights. The task, predicting the next number of a counting sequence, is learnt in a
-few steps, so the printed loss falls at once. Tests: tests/test_without_triton.py runs this file
-on CPU with Triton made unimportable.
+few steps, so the printed loss falls from about ln 256 = 5.55 at once (noisily: one random batch
+a step). tests/test_without_triton.py runs this file on CPU with Triton made unimportable.
 """
 
 import sys
@@ -76,7 +76,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         print(f"{recipe.name} step {i}: loss {losses[-1]:.3f}", flush=True)
-    assert losses[-1] < losses[0] - 1.0, f"the loss should fall by more than 1 nat: {losses}"
+    last = sum(losses[-3:]) / 3  # a mean: one batch's loss is noisy (measured: nvfp4's last step rose 1.3 nats)
+    assert last < losses[0] - 1.0, f"the mean of the last 3 losses should be more than 1 nat below the first: {losses}"
 
 
 if __name__ == "__main__":
