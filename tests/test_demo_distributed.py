@@ -119,13 +119,14 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def _documented_megabytes(layout: str) -> dict[str, str]:
-    """recipe -> the MB/step docs/distributed.md states for `layout` (its table of bytes gathered)."""
+    """recipe -> the MB/step that docs/distributed.md states for `layout`, in the output of
+    benchmarks/bench_distributed.py pasted there (columns: layout, recipe, gathered MB/step, ...)."""
     lines = (DOCS / "distributed.md").read_text().splitlines()
-    header = next(ln for ln in lines if ln.startswith("| layout | bf16 |"))
-    row = next(ln for ln in lines if ln.startswith(f"| {layout} "))
-    names = [c.strip() for c in header.strip("|").split("|")][1:]
-    cells = [c.strip().split(" MB")[0] for c in row.strip("|").split("|")][1:]
-    return dict(zip(names, cells))
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("layout ") and "gathered MB/step" in ln)
+    end = lines.index("```", start)
+    rows = [ln.split() for ln in lines[start + 2 : end] if ln.startswith(f"{layout} ")]
+    assert rows, f"docs/distributed.md has no {layout} rows of bench_distributed.py's output"
+    return {row[1]: row[2] for row in rows}
 
 
 def test_demo_fsdp2_prints_the_bytes_gathered(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
