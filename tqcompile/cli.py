@@ -45,12 +45,6 @@ def _positive_int(value: str) -> int:
     return n
 
 
-def _recipes_epilog() -> str:
-    from tqcompile.recipes import RECIPES
-
-    return f"recipes: {', '.join(RECIPES)}"
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `tqcompile` command."""
     import tqcompile
@@ -58,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tqcompile.recipes import RECIPES
 
     defaults = DemoConfig()
+    recipes = f"recipes: {', '.join(RECIPES)}"  # --help lists them: a new user has nowhere else to look
     parser = argparse.ArgumentParser(
-        prog="tqcompile", description="tqcompile: quantization for torch.compile(fullgraph=True).", epilog=_recipes_epilog()
+        prog="tqcompile", description="tqcompile: quantization for torch.compile(fullgraph=True).", epilog=recipes
     )
     parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {tqcompile.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small GPT in bf16 and per recipe, compiled, and compare",
         description="Train a small byte-level GPT once in bf16 and once per recipe, each compiled with "
         "torch.compile(fullgraph=True), print losses, step times, graph breaks and recompiles, and draw them.",
-        epilog=_recipes_epilog(),
+        epilog=recipes,
     )
     demo.add_argument(
         "--recipes",
@@ -155,7 +150,7 @@ def _progress(line: str) -> None:
 
 
 def _report(args: argparse.Namespace, results, table: str, cfg, layout: str | None = None) -> int:
-    """Print the table and draw the picture (or say why not); the exit status: 1 if a run broke its graph."""
+    """Print the table and draw the picture (unless --plot none); the exit status: 1 if a run broke its graph."""
     from tqcompile.demo import plot_losses
 
     print(table)
