@@ -177,7 +177,7 @@ def _run_sharded(args: argparse.Namespace, device: str, threads: int | None) -> 
             f"{cfg.steps} steps each, backend {cfg.backend}; starting {args.fsdp * args.tp} processes ..."
         )
     try:
-        results = run(args.recipes, cfg, args.fsdp, args.tp, threads=threads)
+        results = run(args.recipes, cfg, args.fsdp, args.tp, threads=threads, progress=_progress)
     except ValueError as e:
         print(f"tqcompile demo: error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,8 @@ reference: the same model gathered in bf16.
 
 Started by `run`: in processes it starts itself with `tq.testing.distributed.spawn` (gloo on CPU),
 or, under `torchrun`, as the rank torchrun made (NCCL when the device is CUDA). Rank 0 reports
-progress on stderr and returns the results; the caller prints the table and draws the picture.
+progress through the caller's `progress` and returns the results; the caller prints the table and
+draws the picture.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -191,37 +191,49 @@ def run_sharded_demo(
     return [train_sharded(r, cfg, init_state, data, offsets, fsdp, tp, progress) for r in (None, *recipe_objs)]
 
 
-def _progress_on_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _rank_runs(rank: int, world_size: int, recipes: Sequence[str], cfg: DemoConfig, fsdp: int, tp: int, out: str) -> None:
+def _rank_runs(
+    rank: int,
+    world_size: int,
+    recipes: Sequence[str],
+    cfg: DemoConfig,
+    fsdp: int,
+    tp: int,
+    out: str,
+    progress: Callable[[str], None] | None,
+) -> None:
     """One spawned rank: run the demo; rank 0 reports progress and saves the results to `out`."""
-    if rank == 0:
-        _progress_on_stderr(f"{world_size} processes up (gloo process group); building and converting the model on each ...")
-    results = run_sharded_demo(recipes, cfg, fsdp, tp, _progress_on_stderr if rank == 0 else None)
+    progress = progress if rank == 0 else None
+    if progress is not None:
+        progress(f"{world_size} processes up (gloo process group); building and converting the model on each ...")
+    results = run_sharded_demo(recipes, cfg, fsdp, tp, progress)
     if rank == 0:
         torch.save(results, out)
 
 
 def run(
-    recipes: Sequence[str], cfg: DemoConfig, fsdp: int, tp: int, *, threads: int | None = 1, timeout_s: float = 3600.0
+    recipes: Sequence[str],
+    cfg: DemoConfig,
+    fsdp: int,
+    tp: int,
+    *,
+    threads: int | None = 1,
+    timeout_s: float = 3600.0,
+    progress: Callable[[str], None] | None = None,
 ) -> list[ShardedRunResult] | None:
     """Run the sharded demo; return rank 0's results (None on the other ranks of a torchrun).
 
     Under `torchrun`: as this rank of its group. Otherwise in fsdp x tp processes started here
     (`tq.testing.distributed.spawn`, gloo, CPU only), each with `threads` torch threads. Rank 0
-    reports progress on stderr. Raises ValueError, before any process starts, for a layout the
-    model cannot take."""
+    calls `progress` with each line of progress (a module-level function: the ranks are spawned).
+    Raises ValueError, before any process starts, for a layout the model cannot take."""
     check_layout(cfg, fsdp, tp)
     if under_torchrun():
         with init_from_torchrun(cfg):
-            progress = _progress_on_stderr if dist.get_rank() == 0 else None
-            results = run_sharded_demo(recipes, cfg, fsdp, tp, progress)
+            results = run_sharded_demo(recipes, cfg, fsdp, tp, progress if dist.get_rank() == 0 else None)
             return results if dist.get_rank() == 0 else None
     if cfg.device != "cpu":
         raise ValueError(f"device {cfg.device!r}: the demo starts its own processes on cpu only; on CUDA, run it under torchrun")
     with tempfile.TemporaryDirectory(prefix="tqcompile-demo-") as tmp:
         out = str(Path(tmp, "results.pt"))
-        spawn(_rank_runs, fsdp * tp, (list(recipes), cfg, fsdp, tp, out), timeout_s=timeout_s, threads=threads)
+        spawn(_rank_runs, fsdp * tp, (list(recipes), cfg, fsdp, tp, out, progress), timeout_s=timeout_s, threads=threads)
         return torch.load(out, weights_only=False)
