@@ -35,8 +35,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tqcompile as tq
+from tqcompile.demo import GPT, GPTConfig, parallelize_gpt, quantize_model
 from tqcompile.distributed import tp_comm
-from tqcompile.models import GPT, GPTConfig, parallelize_gpt, quantize_model
 from tqcompile.testing import run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
