@@ -1,5 +1,5 @@
 """`tq.distributed.QuantizedWeight` in one process: transparent outside FSDP2 (the multi-process
-behaviour is in compile_tests/test_fsdp_gloo.py)."""
+behaviour is in tests/distributed/test_fsdp_gloo.py)."""
 
 from __future__ import annotations
 

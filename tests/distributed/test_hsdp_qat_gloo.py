@@ -1,6 +1,6 @@
 """HSDP with a real replicate dimension, and QAT under FSDP2, on four CPU processes over gloo.
 
-compile_tests/test_fsdp_gloo.py checks HSDP on a (1, 2) mesh only, where the replicate dimension
+tests/distributed/test_fsdp_gloo.py checks HSDP on a (1, 2) mesh only, where the replicate dimension
 does nothing. Here the mesh is (2 replicas, 2 shards): the amax of a weight must be reduced over
 its shard group (2 ranks), not the world, and the two replicas must compute the one-process
 losses bit for bit, with and without `precompute_scales`. A calibrated (QAT) model sharded with
