@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import tqcompile as tq
-from tqcompile.testing import count_collective_bytes, run_ranks
+from tqcompile.testing import count_collective_bytes, run_checks, run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 WORLD = 4
@@ -357,20 +357,15 @@ def _check_hsdp(rank: int) -> dict:
 def _rank_checks(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    results, timings = {}, {}
-    for name, check in (
+    checks = [
         ("outlier", lambda: _check_planted_outlier(rank, mesh)),
         ("cut_blocks", lambda: _check_cut_blocks(rank, mesh)),
         ("parity", lambda: _check_parity(rank, mesh)),
         ("dcp", lambda: _check_dcp(rank, out_dir)),
         ("bytes", lambda: _check_bytes(rank, mesh)),
         ("hsdp", lambda: _check_hsdp(rank)),
-    ):
-        start = time.perf_counter()
-        results[name] = check()
-        timings[name] = time.perf_counter() - start
-    results["timings"] = timings
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    ]
+    torch.save(run_checks(rank, checks), f"{out_dir}/rank{rank}.pt")
 
 
 def _snapshot(model, opt) -> tuple[dict, dict]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -37,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tqcompile as tq
 from tqcompile.distributed import tp_comm
 from tqcompile.models import GPT, GPTConfig, parallelize_gpt, quantize_model
-from tqcompile.testing import run_ranks
+from tqcompile.testing import run_checks, run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 WORLD = 2
@@ -446,9 +445,7 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (WORLD,))
     group = mesh.get_group().group_name
-    results = {}
-    timings = {}
-    for name, check in (
+    checks = [
         ("scales", lambda: _check_scales(rank, group)),
         ("bad_input", lambda: _check_bad_input(rank, mesh)),
         ("bytes", lambda: _check_bytes(rank, mesh)),
@@ -457,45 +454,50 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         ("parity", lambda: _check_parity(rank, mesh)),
         ("compile", lambda: _check_compile(rank, mesh)),
         ("fused_checkpoint", lambda: _check_fused_checkpoint(rank, mesh, out_dir)),
-    ):
-        start = time.perf_counter()
-        results[name] = check()
-        timings[name] = time.perf_counter() - start
-    results["timings"] = timings
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    ]
+    torch.save(run_checks(rank, checks), f"{out_dir}/rank{rank}.pt")
 
 
 # --- TP x FSDP2 on a 2-D mesh -------------------------------------------------------------------------
+def _check_tp_x_fsdp2(mesh, name: str, compiled: bool, batches) -> tuple:
+    """One recipe, TP=2 inside FSDP2 (its blocks compiled first when `compiled`): the losses
+    against the single-process run, and the compile counts after step 1."""
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = dataclasses.replace(CFG, n_layer=1)
+    torch.manual_seed(0)
+    ref = quantize_model(GPT(cfg), tq.recipes.get(name))
+    model = parallelize_gpt(copy.deepcopy(ref), mesh["tp"])
+    counter = CompileCounter("aot_eager")
+    for block in model.blocks:  # compile, then shard: the torchtitan order
+        if compiled:
+            block.compile(backend=counter, fullgraph=True)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ref_losses = _train(ref, batches)
+    losses = _train(model, batches[:1])  # SGD keeps no state: two calls are two steps
+    graphs_after_step_1 = counter.frame_count
+    losses += _train(model, batches[1:])
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=0)  # the bound of _check_parity
+    new_graphs = counter.frame_count - graphs_after_step_1
+    return (
+        [x.item() for x in losses],
+        (graphs_after_step_1 > 0, new_graphs, counter.recompiles, counter.graph_breaks),
+    )
+
+
 def _rank_checks_2d(rank: int, out_dir: str) -> None:
     """TP=2 inside, stock `fully_shard` on the dp dim outside (the same batch on both dp ranks):
     the losses follow the single-process run; blocks compiled before sharding keep no breaks."""
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("dp", "tp"))
-    cfg = dataclasses.replace(CFG, n_layer=1)
     batches = _batches(2)
-    results = {}
-    for name, compiled in (("mxfp8", False), ("fp8_tensorwise", True)):
-        torch.manual_seed(0)
-        ref = quantize_model(GPT(cfg), tq.recipes.get(name))
-        model = parallelize_gpt(copy.deepcopy(ref), mesh["tp"])
-        counter = CompileCounter("aot_eager")
-        for block in model.blocks:  # compile, then shard: the torchtitan order
-            if compiled:
-                block.compile(backend=counter, fullgraph=True)
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        ref_losses = _train(ref, batches)
-        losses = _train(model, batches[:1])  # SGD keeps no state: two calls are two steps
-        graphs_after_step_1 = counter.frame_count
-        losses += _train(model, batches[1:])
-        for a, b in zip(losses, ref_losses):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=0)  # the bound of _check_parity
-        new_graphs = counter.frame_count - graphs_after_step_1
-        results[name] = (
-            [x.item() for x in losses],
-            (graphs_after_step_1 > 0, new_graphs, counter.recompiles, counter.graph_breaks),
-        )
+    checks = [
+        (name, lambda n=name, c=compiled: _check_tp_x_fsdp2(mesh, n, c, batches))
+        for name, compiled in (("mxfp8", False), ("fp8_tensorwise", True))
+    ]
+    results = run_checks(rank, checks)
+    del results["timings"]  # the test compares the ranks' results, and their timings differ
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 

@@ -1,7 +1,7 @@
 """Run a check on several CPU processes over gloo, for tests: fast failure, no hang.
 
     def _checks(rank: int, out_dir: str) -> None:      # module level: the ranks are spawned
-        ...
+        results = run_checks(rank, [("parity", lambda: _parity(rank)), ("bytes", lambda: _bytes(rank))])
         torch.save(results, f"{out_dir}/rank{rank}.pt")
 
     ranks = tq.testing.distributed.run_ranks(_checks, 2, tmp_path)   # [rank 0's results, rank 1's]
@@ -12,14 +12,42 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "run_checks", "CheckFailed"]
+
+
+class CheckFailed(AssertionError):
+    """A named check failed on a rank; the message names both, and the original error is its cause."""
+
+
+def run_checks(rank: int, checks: Iterable[tuple[str, Callable[[], object]]]) -> dict:
+    """Run named checks in order on this rank; return ``{name: what the check returned}`` plus
+    ``"timings"``: ``{name: seconds}``.
+
+    One spawn running several checks saves starting processes (the slow part on CPU), but a bare
+    traceback would not say which check broke: a check that raises stops the rank with a
+    `CheckFailed` naming the check and the rank, chained to the original error, and `run_ranks`
+    puts that line first in its failure message.
+    """
+    results: dict = {}
+    timings: dict[str, float] = {}
+    for name, check in checks:
+        if name == "timings" or name in results:
+            raise ValueError(f"check name {name!r} is taken: names must be unique and not 'timings'")
+        start = time.perf_counter()
+        try:
+            results[name] = check()
+        except Exception as e:
+            raise CheckFailed(f"rank {rank}: check {name!r} failed: {type(e).__name__}: {e}") from e
+        timings[name] = time.perf_counter() - start
+    results["timings"] = timings
+    return results
 
 
 def _worker(rank: int, checks: Callable[[int, str], None], world: int, out_dir: str, timeout_s: float) -> None:
@@ -63,6 +91,9 @@ def run_ranks(
         for p in context.processes:
             if p.is_alive():
                 p.kill()
-        traces = "\n".join(p.read_text() for p in sorted(Path(out_dir).glob("rank*.error")))
-        raise AssertionError(f"a rank failed:\n{traces or e}") from e
+        errors = [p.read_text() for p in sorted(Path(out_dir).glob("rank*.error"))]
+        # Each rank's last traceback line first (with run_checks: the rank and the check's name).
+        headlines = "".join(f"{t.strip().splitlines()[-1]}\n" for t in errors if t.strip())
+        traces = "\n".join(errors)
+        raise AssertionError(f"a rank failed:\n{headlines}{traces or e}") from e
     return [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
