@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tqcompile.testing import CheckFailed, run_checks, run_ranks
+from tqcompile.testing import CheckFailed, distributed, run_checks, run_ranks
 
 
 def _rank_checks(rank: int, out_dir: str) -> None:
@@ -28,6 +28,14 @@ def test_a_failed_check_is_named_with_its_rank(tmp_path) -> None:
     assert isinstance(failed.value.__cause__, ZeroDivisionError)
     with pytest.raises(ValueError, match=r"check name 'timings' is taken"):
         run_checks(0, [("timings", lambda: 1)])
+    # In a spawned rank, the check running is written down for a run killed at its deadline to name.
+    check_file = tmp_path / "rank0.check"
+    distributed._CHECK_FILE.append(check_file)
+    try:
+        assert run_checks(0, [("first", lambda: 1), ("second", lambda: check_file.read_text())])["second"] == "second"
+        assert check_file.read_text() == "second"
+    finally:
+        distributed._CHECK_FILE.remove(check_file)
 
     with pytest.raises(AssertionError) as spawned:
         run_ranks(_rank_checks, 2, tmp_path, deadline_s=120)

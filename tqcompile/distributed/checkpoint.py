@@ -213,7 +213,13 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_i
             fused[path] = chunks
             container[key] = _stacked(container[key], chunks)
     state[_FUSED_KEY] = json.dumps(fused, sort_keys=True)
-    dcp.save(state, checkpoint_id=checkpoint_id)
+    dcp.save(state, checkpoint_id=checkpoint_id, no_dist=_one_process())
+
+
+def _one_process() -> bool:
+    """DCP's `no_dist`: without a process group DCP assumes one process anyway, and warns each time
+    that it did; saying so ourselves keeps that behaviour without the warning."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def _check(saved: dict[str, str], current: dict[str, str], checkpoint_id) -> None:
@@ -248,7 +254,7 @@ def load(
 
     meta = {_KEY: "", _FUSED_KEY: ""}
     try:
-        dcp.load(meta, checkpoint_id=checkpoint_id)
+        dcp.load(meta, checkpoint_id=checkpoint_id, no_dist=_one_process())
     except Exception:  # written before fused tensors were stacked (it holds none), or not by `save`
         meta = {_KEY: ""}
         _load_metadata(meta, checkpoint_id)
@@ -290,7 +296,7 @@ def load(
             )
         elif saved > 1:  # a plain tensor here: read the stacked rows into a view of it
             container[key] = _plain(value).view(saved, -1, *value.shape[1:])
-    dcp.load(target, checkpoint_id=checkpoint_id)
+    dcp.load(target, checkpoint_id=checkpoint_id, no_dist=_one_process())
     with torch.no_grad():
         for value, full, chunks in gathered:
             world, rank = value.device_mesh.size(), value.device_mesh.get_local_rank()
@@ -309,7 +315,7 @@ def _load_metadata(meta: dict, checkpoint_id) -> None:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(meta, checkpoint_id=checkpoint_id)
+        dcp.load(meta, checkpoint_id=checkpoint_id, no_dist=_one_process())
     except Exception as e:  # DCP's error for a missing key is long; say what is missing
         if _KEY in str(e) or "Missing key" in str(e):
             raise CheckpointMismatchError(

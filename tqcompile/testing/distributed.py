@@ -22,6 +22,11 @@ import torch.multiprocessing as mp
 __all__ = ["run_ranks", "run_checks", "CheckFailed"]
 
 
+# In a rank started by run_ranks: the file where run_checks writes the name of the check it is in,
+# so that a run killed at its deadline can say which checks were still running.
+_CHECK_FILE: list[Path] = []
+
+
 class CheckFailed(AssertionError):
     """A named check failed on a rank; the message names both, and the original error is its cause."""
 
@@ -40,6 +45,8 @@ def run_checks(rank: int, checks: Iterable[tuple[str, Callable[[], object]]]) ->
     for name, check in checks:
         if name == "timings" or name in results:
             raise ValueError(f"check name {name!r} is taken: names must be unique and not 'timings'")
+        for where in _CHECK_FILE:
+            where.write_text(name)
         start = time.perf_counter()
         try:
             results[name] = check()
@@ -52,6 +59,7 @@ def run_checks(rank: int, checks: Iterable[tuple[str, Callable[[], object]]]) ->
 
 def _worker(rank: int, checks: Callable[[int, str], None], world: int, out_dir: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
+    _CHECK_FILE.append(Path(out_dir, f"rank{rank}.check"))
     # A file store, not a TCP port: nothing to race for with other jobs on the machine.
     dist.init_process_group(
         "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
@@ -86,7 +94,8 @@ def run_ranks(
         # join() raises as soon as one rank fails (and terminates the others).
         while not context.join(timeout=2):
             if time.monotonic() > deadline:
-                raise AssertionError(f"the ranks did not finish within {deadline_s} s")
+                running = ", ".join(f"{p.stem} in {p.read_text()!r}" for p in sorted(Path(out_dir).glob("rank*.check")))
+                raise AssertionError(f"the ranks did not finish within {deadline_s} s" + (f" ({running})" if running else ""))
     except Exception as e:
         for p in context.processes:
             if p.is_alive():
