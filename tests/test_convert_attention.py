@@ -240,6 +240,9 @@ def test_a_child_whose_parent_reads_its_weight_is_skipped_with_the_parent():
     ]
 
 
+# torch's own note, once per process, when its encoder fast path builds a nested tensor (the float
+# reference here does, on purpose); a warn-once cannot be asserted reliably, so it is ignored here only.
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 def test_encoder_nested_tensor_path_is_turned_off():
     """In eval + no_grad with a padding mask nn.TransformerEncoder packs the batch into a nested
     tensor; a converted encoder takes the padded batch instead and matches the float model to FP8 precision."""
