@@ -149,7 +149,8 @@ def _rank_checks(rank: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list:
     """One spawn for both tests (starting two processes costs more than either check)."""
-    return run_ranks(_rank_checks, WORLD_SIZE, tmp_path_factory.mktemp("amax_group"))
+    # 97 s measured on a 2-core machine at load ~28 (both checks, start-up included): about 3x that.
+    return run_ranks(_rank_checks, WORLD_SIZE, tmp_path_factory.mktemp("amax_group"), deadline_s=300)
 
 
 def _inner(qx: tq.QuantizedTensor) -> dict[str, torch.Tensor]:

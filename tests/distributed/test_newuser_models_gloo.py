@@ -148,5 +148,5 @@ def _rank_checks(rank: int, out_dir: str) -> None:
 
 
 def test_newuser_models_fsdp2_equal_one_process(tmp_path) -> None:
-    ranks = run_ranks(_rank_checks, 2, tmp_path, deadline_s=300)
+    ranks = run_ranks(_rank_checks, 2, tmp_path, deadline_s=180)  # 51 s measured at load ~28 on 2 cores
     assert ranks[0] == ranks[1]
