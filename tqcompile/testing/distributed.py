@@ -4,7 +4,7 @@ launcher of the tests, the benchmarks and `tqcompile demo --fsdp N --tp M`.
 `spawn` is the launcher; `run_ranks` is its form for tests, which collects what each rank saved:
 
     def _checks(rank: int, out_dir: str) -> None:      # module level: the ranks are spawned
-        ...
+        results = run_checks(rank, [("parity", lambda: _parity(rank)), ("bytes", lambda: _bytes(rank))])
         torch.save(results, f"{out_dir}/rank{rank}.pt")
 
     ranks = tq.testing.distributed.run_ranks(_checks, 2, tmp_path)   # [rank 0's results, rank 1's]
@@ -16,7 +16,7 @@ import datetime
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,42 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "run_ranks"]
+__all__ = ["spawn", "run_ranks", "run_checks", "CheckFailed"]
+
+
+# In a rank started by run_ranks: the file where run_checks writes the name of the check it is in,
+# so that a run killed at its deadline can say which checks were still running.
+_CHECK_FILE: list[Path] = []
+
+
+class CheckFailed(AssertionError):
+    """A named check failed on a rank; the message names both, and the original error is its cause."""
+
+
+def run_checks(rank: int, checks: Iterable[tuple[str, Callable[[], object]]]) -> dict:
+    """Run named checks in order on this rank; return ``{name: what the check returned}`` plus
+    ``"timings"``: ``{name: seconds}``.
+
+    One spawn running several checks saves starting processes (the slow part on CPU), but a bare
+    traceback would not say which check broke: a check that raises stops the rank with a
+    `CheckFailed` naming the check and the rank, chained to the original error, and `run_ranks`
+    puts that line first in its failure message.
+    """
+    results: dict = {}
+    timings: dict[str, float] = {}
+    for name, check in checks:
+        if name == "timings" or name in results:
+            raise ValueError(f"check name {name!r} is taken: names must be unique and not 'timings'")
+        for where in _CHECK_FILE:
+            where.write_text(name)
+        start = time.perf_counter()
+        try:
+            results[name] = check()
+        except Exception as e:
+            raise CheckFailed(f"rank {rank}: check {name!r} failed: {type(e).__name__}: {e}") from e
+        timings[name] = time.perf_counter() - start
+    results["timings"] = timings
+    return results
 
 
 def _entry(
@@ -110,6 +145,7 @@ def spawn(
 
 
 def _check_with_out_dir(rank: int, world_size: int, checks: Callable[[int, str], None], out_dir: str) -> None:
+    _CHECK_FILE.append(Path(out_dir, f"rank{rank}.check"))
     checks(rank, out_dir)
 
 
@@ -129,7 +165,11 @@ def run_ranks(
     try:
         spawn(_check_with_out_dir, world, (checks, out_dir), timeout_s=deadline_s, collective_timeout_s=timeout_s)
     except TimeoutError as e:
-        raise AssertionError(f"the ranks did not finish within {deadline_s} s") from e
+        running = ", ".join(f"{p.stem} in {p.read_text()!r}" for p in sorted(Path(out_dir).glob("rank*.check")))
+        raise AssertionError(f"the ranks did not finish within {deadline_s} s" + (f" ({running})" if running else "")) from e
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise AssertionError(f"a rank failed:\n{e}") from e
+        # Each failed rank's last traceback line first (with run_checks: the rank and the check's name).
+        blocks = str(e).split("\n\n-- rank ")[1:]
+        headlines = "".join(f"{b.strip().splitlines()[-1]}\n" for b in blocks if b.strip())
+        raise AssertionError(f"a rank failed:\n{headlines}{e}") from e
     return [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

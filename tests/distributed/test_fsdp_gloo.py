@@ -27,8 +27,6 @@ Checks:
 from __future__ import annotations
 
 import contextlib
-import functools
-import time
 import warnings
 from pathlib import Path
 
@@ -39,8 +37,8 @@ from torch import nn
 
 import tqcompile as tq
 from tqcompile.demo.model import GPT, GPTConfig, is_quantized_layer
+from tqcompile.testing import run_checks, run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
-from tqcompile.testing.distributed import run_ranks
 
 WORLD = 2
 JOIN_DEADLINE_S = 400
@@ -338,19 +336,16 @@ def _check_checkpoint(rank: int, results: dict, out_dir: Path) -> None:
         tq.distributed.checkpoint.load(other, None, out_dir / "single")
 
 
-def _run_checks(rank: int, out_dir: str, checks: list[str]) -> None:
+def _rank_checks(rank: int, out_dir: str) -> None:
     out = Path(out_dir)
-    results: dict = {"timings": {}}
-    for check in checks:
-        start = time.perf_counter()
+    results: dict = {}
+
+    def run(check: str) -> None:
         fn = globals()[f"_check_{check}"]
         fn(rank, results, out) if check == "checkpoint" else fn(rank, results)
-        results["timings"][check] = time.perf_counter() - start
+
+    results["timings"] = run_checks(rank, [(check, lambda c=check: run(c)) for check in CHECKS])["timings"]
     torch.save(results, out / f"rank{rank}.pt")
-
-
-def _spawn(tmp_path: Path, checks: list[str]) -> list[dict]:
-    return run_ranks(functools.partial(_run_checks, checks=checks), WORLD, tmp_path, deadline_s=JOIN_DEADLINE_S, timeout_s=90)
 
 
 def _single_process_checkpoint(path: Path) -> tuple[dict, dict]:
@@ -385,7 +380,7 @@ CHECKS = [
 
 def test_fsdp2_quantized_all_gather(tmp_path):
     single_model, single_optim = _single_process_checkpoint(tmp_path / "single")
-    ranks = _spawn(tmp_path, CHECKS)
+    ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=JOIN_DEADLINE_S, timeout_s=90)
 
     # Planted outlier: each rank's gathered weight is the one-process quantization of the whole weight.
     for name in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4"):
