@@ -8,7 +8,7 @@ defines the numerics, traced into aten ops. Inductor then fuses the amax reducti
 multiply, the clamp and the cast with the producer of `x` and with each other (and a dequantize
 with its consumer), as it does torchao's plain-aten casts, instead of running opaque kernels that
 each read the whole tensor. `gemm_tn` is handed over for FP8 tensorwise/rowwise pairs on CPU
-(`tqcompile.ops.gemm.fp8_gemm_cpu`: CPU `_scaled_mm`'s own computation in plain torch), so the
+(`tqcompile.kernels.reference.fp8_gemm_cpu`: CPU `_scaled_mm`'s own computation in plain torch), so the
 operands' upcast and scale fuse too; the matmul stays an external kernel, the same BLAS call.
 
 The numerics cannot drift from the eager kernels: a decomposition *is* the reference kernel.
@@ -68,11 +68,9 @@ def _dequantize(data, scale_inv, amax, quantizer, dtype):
 
 
 def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype):
-    from tqcompile.ops.gemm import fp8_gemm_cpu, fp8_pair_on_cpu
-
-    if not fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
+    if not reference.fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
         return NotImplemented
-    return fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
+    return reference.fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
 
 
 @functools.cache
