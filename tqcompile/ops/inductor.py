@@ -76,6 +76,7 @@ def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_am
 @functools.cache
 def register_inductor_decompositions() -> None:
     """Give inductor the reference kernels of the `tqcompile` ops as decompositions (idempotent)."""
+    from torch._inductor import decomposition
     from torch._inductor.decomposition import decompositions
     from torch._inductor.lowering import make_fallback
 
@@ -91,3 +92,14 @@ def register_inductor_decompositions() -> None:
         # graph and inductor calls its kernel, as for any custom op; it must be told that explicitly
         # once the op has a decomposition.
         make_fallback(op, override_decomp=True)
+    # Inductor reads the table through `select_decomp_table()`, which returns a copy of it cached
+    # at the first inductor compile of the process (`fast_random_decomps`, a `functools.cache`).
+    # Where anything else was compiled with inductor before the first `tqcompile` op was traced
+    # (a model without quantization, torchao's), that copy lacks the entries above, and every later
+    # graph kept the ops opaque (benchmarks/bench_step.py's compiled fp8_tensorwise step measured
+    # 1.6x slower in such a process). Dropping the cached copy makes the next compile build it
+    # again, with them. Private, like the table; checked on torch 2.13
+    # (compile_tests/test_inductor_fusion.py compiles another model first).
+    cached = getattr(decomposition, "fast_random_decomps", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
