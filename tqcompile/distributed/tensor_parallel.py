@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,7 +32,7 @@ from torch.distributed.tensor import parallel as _tp
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tqcompile.distributed import tp_comm
-from tqcompile.distributed.agreement import check_ranks_agree
+from tqcompile.distributed.agreement import check_ranks_agree, recipe_fact
 from tqcompile.distributed.tp_linear import (
     REPLICATE,
     SEQUENCE,
@@ -90,10 +89,7 @@ def _facts(module: nn.Module) -> dict[str, str]:
     kind = type(module).__name__
     if hasattr(module, "in_features"):
         kind += f"(in_features={module.in_features}, out_features={module.out_features})"
-    recipe = getattr(module, "recipe", None)
-    # The name says what it is; the checksum of its repr catches two custom recipes of one name.
-    conversion = f"{recipe.name!r} (#{zlib.crc32(repr(recipe).encode()):08x})" if isinstance(recipe, Recipe) else "not converted"
-    return {"module": kind, "recipe": conversion}
+    return {"module": kind, "recipe": recipe_fact(getattr(module, "recipe", None))}
 
 
 def _agree(style: _tp.ParallelStyle, module: nn.Module, mesh: DeviceMesh) -> None:
