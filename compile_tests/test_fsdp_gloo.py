@@ -233,11 +233,11 @@ def _check_bytes(rank: int, results: dict) -> None:
 
 
 def _check_precompute(rank: int, results: dict) -> None:
-    from tqcompile.distributed import fsdp, precompute
+    from tqcompile.distributed import fsdp_amax, precompute
 
     calls = {"n": 0}
-    original = fsdp.all_reduce_amax
-    modules = (fsdp, precompute)  # the all-gathers' and precompute_scales' reductions
+    original = fsdp_amax.all_reduce_amax
+    modules = (fsdp_amax, precompute)  # the all-gathers' and precompute_scales' reductions
 
     def counting(*args, **kwargs):
         calls["n"] += 1

@@ -6,7 +6,6 @@ purpose (a rank that never converted the model), so it runs last.
 """
 
 import copy
-import functools
 import sys
 import time
 import traceback
@@ -19,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import tqcompile as tq
+from tqcompile.testing.distributed import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -152,7 +152,7 @@ def _result(ranks: list[dict], name: str, rank: int):
 
 
 def test_hf_llama_two_ranks(tmp_path):
-    ranks = tq.testing.distributed.run_ranks(functools.partial(_checks), 2, tmp_path, deadline_s=900, timeout_s=120)
+    ranks = run_ranks(_checks, 2, tmp_path, deadline_s=900, timeout_s=120)
 
     for rank in range(2):
         # Item 3 and 5: the documented HF plan, with the shared q/k/v gather, equals one process.

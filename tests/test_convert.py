@@ -80,6 +80,22 @@ def test_linear_and_subclasses_are_converted():
     assert "clamped (ClampedLinear): ClampedLinear overrides forward" in message and "tq_linear_semantics = True" in message
 
 
+def test_is_converted_is_the_one_answer():
+    class OwnRecipe(nn.Identity):  # a user's module with a `recipe` attribute of its own is not converted
+        recipe = "mine"
+
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), OwnRecipe(), nn.Linear(32, 32)
+    )
+    tq.convert(model, RECIPE, filter_fn=lambda m, fqn: fqn != "3")
+    converted = {name for name, m in model.named_modules() if tq.nn.is_converted(m)}
+    assert converted == {"0", "1", "1.self_attn", "1.self_attn.out_proj", "1.linear1", "1.linear2"}
+    assert all(isinstance(model.get_submodule(n), tq.nn.QuantizedModule) for n in converted)
+    assert not tq.nn.is_converted(model[2]) and not tq.nn.is_converted(model[3])
+    grouped = tq.nn.GroupedLinear(2, 32, 32, recipe=RECIPE)
+    assert tq.nn.is_converted(grouped) and grouped.recipe == RECIPE
+
+
 def test_converted_subclass_class_is_shared():
     a, b = ScaledLinear(32, 32), ScaledLinear(32, 32)
     tq.convert(a, RECIPE)

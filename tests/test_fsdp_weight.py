@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tqcompile as tq
-from tqcompile.distributed.fsdp import _transpose_payload
+from tqcompile.distributed.fsdp_layout import _transpose_payload
 from tqcompile.testing.compile import assert_bitwise_equal
 
 
@@ -83,6 +83,37 @@ def test_local_transpose_is_the_columnwise_usage(quantizer):
     q = tq.quantize(x, quantizer, rowwise=True, columnwise=True)
     assert_bitwise_equal(_transpose_payload(q._data, quantizer), q._data_t)
     assert_bitwise_equal(q._scale_inv.t().contiguous(), q._scale_inv_t)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "quantizer, transpose, byte_transpose",
+    [
+        (tq.Float8Quantizer(), True, True),
+        (tq.IntQuantizer(), True, True),
+        (tq.IntQuantizer(format=tq.Format.INT4), True, False),  # two elements a byte: repacked, not byte-transposed
+        (tq.Float8Quantizer(granularity=tq.Granularity.BLOCKWISE_2D, block_size=16), True, False),  # scale grid transposes
+        (tq.NVFP4Quantizer(block_2d=True), True, False),
+        (tq.NVFP4Quantizer(block_2d=True, hadamard=True), False, False),  # transformed along the last dim
+        (tq.Float8Quantizer(granularity=tq.Granularity.ROWWISE), False, False),
+        (tq.MXQuantizer(), False, False),
+    ],
+)
+def test_the_two_transpose_questions_say_what_quantize_does(quantizer, transpose, byte_transpose):
+    # FSDP2's gather derives dgrad's usage where `columnwise_is_transpose` (transposing scales and
+    # repacking nibbles); tensor parallelism where `columnwise_is_byte_transpose` (bytes only, the
+    # same scale tensor). Each answer must be what quantizing the columnwise usage really gives.
+    assert quantizer.columnwise_is_transpose() is transpose
+    assert quantizer.columnwise_is_byte_transpose() is byte_transpose
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 96)
+    q = tq.quantize(x, quantizer, rowwise=True, columnwise=True)
+    derived = _same_bytes(_transpose_payload(q._data, quantizer), q._data_t) and _same_bytes(q._scale_inv.t(), q._scale_inv_t)
+    assert derived is transpose
+    byte_copied = _same_bytes(q._data.view(torch.uint8).t(), q._data_t) and _same_bytes(q._scale_inv, q._scale_inv_t)
+    assert byte_copied is byte_transpose
 
 
 def test_quantized_tensor_as_strided_identity_and_is_pinned():

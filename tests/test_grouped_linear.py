@@ -409,13 +409,3 @@ def test_compiled_fullgraph_no_graph_breaks(name, mode):
     assert_bitwise_equal(_step(compiled, x, dy, m_splits), _step(experts, x, dy, m_splits))
     assert counter.frame_count == 1 and counter.graph_breaks == 0 and counter.recompiles == 0, counter
     torch.compiler.reset()
-
-
-def test_old_import_path_still_works():
-    """GroupedLinear moved to tqcompile.nn.grouped; the old path (nn/linear.py) still resolves."""
-    from tqcompile.nn.linear import GroupedLinear, grouped_unsupported_reason
-
-    assert GroupedLinear is tq.nn.GroupedLinear and GroupedLinear.__module__ == "tqcompile.nn.grouped"
-    assert grouped_unsupported_reason is tq.nn.grouped.grouped_unsupported_reason
-    with pytest.raises(ImportError, match="cannot import name 'NoSuchName'"):
-        from tqcompile.nn.linear import NoSuchName  # noqa: F401

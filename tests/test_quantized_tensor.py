@@ -76,10 +76,26 @@ def test_flatten_unflatten_round_trip(q):
 def test_flatten_metadata_carries_the_group_name_not_the_group():
     qt = tq.quantize(_x(4, 32, dtype=torch.bfloat16), MXQuantizer(), amax_group="tp")  # MX: the group is only recorded
     names, meta = qt.__tensor_flatten__()
-    assert meta == (MXQuantizer(), torch.bfloat16, "tp")
+    assert meta == (MXQuantizer(), torch.bfloat16, "tp", None)  # None: rowwise_not_gathered (below)
     back = QuantizedTensor.__tensor_unflatten__({n: getattr(qt, n) for n in names}, meta, qt.shape, qt.stride())
     assert back.amax_group_name == "tp" and back.dtype == torch.bfloat16
     assert "amax_group='tp'" in repr(back)
+
+
+def test_rowwise_not_gathered_is_metadata_kept_by_views_of_the_rowwise_usage():
+    """The FSDP2 gather's record of an unfilled rowwise usage is flatten metadata (Dynamo guards on it),
+    kept by the ops that keep that usage (detach, views, slices, copies) and dropped where the result's
+    rowwise usage is another one (`t()`) or absent."""
+    qt = tq.quantize(_x(64, 32), Float8Quantizer(), rowwise=True, columnwise=True)
+    assert qt.rowwise_not_gathered is None
+    qt.rowwise_not_gathered = "not gathered"
+    names, meta = qt.__tensor_flatten__()
+    assert meta[-1] == "not gathered"
+    assert QuantizedTensor.__tensor_unflatten__({n: getattr(qt, n) for n in names}, meta, qt.shape, qt.stride()).rowwise_not_gathered == "not gathered"
+    for kept in (qt.detach(), qt.view(2, 32, 32), qt[:32], qt.clone(), qt.keep_usages(rowwise=True, columnwise=False)):
+        assert kept.rowwise_not_gathered == "not gathered"
+    for dropped in (qt.t(), qt.keep_usages(rowwise=False, columnwise=True)):
+        assert dropped.rowwise_not_gathered is None
 
 
 def test_usages_and_accessors():

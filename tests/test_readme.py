@@ -52,3 +52,13 @@ def test_the_version_has_one_source():
     import tqcompile
 
     assert re.fullmatch(r"\d+\.\d+\.\d+", tqcompile.__version__)
+
+
+def test_triton_is_an_extra_not_a_dependency():
+    # Triton (about 1 GB) runs only the CUDA quantize kernels, and CPU use never imports it
+    # (tests/test_without_triton.py): a CPU-only `pip install -e .` must not pull it in. The tests
+    # need it (the kernels run under Triton's interpreter), so the test extra keeps it.
+    project = _pyproject()["project"]
+    assert not any(dep.lower().startswith("triton") for dep in project["dependencies"]), project["dependencies"]
+    for extra in ("cuda", "test"):
+        assert "triton; platform_system == 'Linux'" in project["optional-dependencies"][extra], extra

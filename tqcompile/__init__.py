@@ -5,8 +5,8 @@ import torch as _torch
 from tqcompile import calibration, configs, distributed, nn, optim, recipes  # noqa: E402  (these import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.calibration import calibrate, quant_state, restore, summary
+from tqcompile.conversion import convert
 from tqcompile.formats import Format
-from tqcompile.nn.convert import convert
 from tqcompile.quantizers import (
     Float8Quantizer,
     Granularity,

@@ -6,22 +6,17 @@ import torch
 import torch.distributed as dist
 
 from tqcompile import ops
-from tqcompile.distributed.groups import all_reduce_amax, group_name_of
-from tqcompile.quantizers import MXQuantizer, NVFP4Quantizer, Quantizer
-from tqcompile.tensor import QuantizedTensor
+from tqcompile.groups import group_name_of
+from tqcompile.quantizers import MXQuantizer, Quantizer
+from tqcompile.tensor import QuantizedTensor, quantize_usages
 
 __all__ = ["quantize", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _transformed(q: Quantizer) -> bool:
-    # A transform along the last dim makes the columnwise amax differ from the rowwise one.
-    return isinstance(q, NVFP4Quantizer) and q.hadamard
-
-
 def _check_amax_history(amax_history, quantizer: Quantizer) -> None:
-    if not (quantizer.uses_tensor_amax() and not _transformed(quantizer)):
+    if not (quantizer.uses_tensor_amax() and not quantizer.hadamard_transformed()):
         raise ValueError(
             f"tq.quantize: amax_history (delayed scaling) needs a quantizer with a tensor-level amax and no transform, got {quantizer!r}"
         )
@@ -106,9 +101,7 @@ def quantize(
             padded_t = quantizer.padded_shape(shape_t)
             x = ops.raise_error(ValueError, message, x, None if padded_t is None else padded_t[::-1])
             x_t = x.t()
-    if seed is None and quantizer.needs_seed():
-        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
-    elif seed is not None and not isinstance(seed, torch.Tensor):
+    if seed is not None and not isinstance(seed, torch.Tensor):
         raise TypeError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {type(seed).__name__} {seed!r}")
     elif seed is not None and (seed.dtype != torch.int64 or seed.shape != (2,)):
         raise ValueError(f"tq.quantize: seed must be an int64 tensor of shape (2,) [seed, offset], got {seed.dtype} {tuple(seed.shape)}")
@@ -118,37 +111,9 @@ def quantize(
     group_name = group_name_of(amax_group)
     if amax is not None:
         _check_static_amax(x, quantizer, amax, columnwise, amax_history)
-        return _quantize_static(x, quantizer, amax, rowwise, columnwise, x_t, seed, group_name)
-    amax = amax_t = None
-    if quantizer.uses_tensor_amax():
-        amax = ops.amax(x, quantizer)
-        if columnwise:
-            amax_t = ops.amax(x_t, quantizer) if _transformed(quantizer) else amax
-        if group_name is not None:
-            if amax_t is not None and amax_t is not amax:
-                amax, amax_t = all_reduce_amax(torch.stack((amax, amax_t)), group_name).unbind()
-            else:
-                amax = all_reduce_amax(amax, group_name)
-                amax_t = amax if columnwise else None
-        if amax_history is not None:
-            amax = ops.amax_history_update(amax_history, amax)
-            amax_t = amax if columnwise else None
-
-    return _usages(x, x_t, quantizer, rowwise, columnwise, (amax, amax_t), (amax, amax_t), seed, group_name)
-
-
-def _usages(x, x_t, q: Quantizer, rowwise: bool, columnwise: bool, amaxes, recorded, seed, group_name) -> QuantizedTensor:
-    """Quantize the requested usages of `x` (columnwise from `x_t`) with the kernel amaxes `amaxes`
-    (rowwise, columnwise) and build the QuantizedTensor recording the amaxes `recorded`."""
-    inner = {}
-    if rowwise:
-        inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amaxes[0], seed)
-        inner["_amax"] = recorded[0]
-    if columnwise:
-        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, q, amaxes[1], seed)
-        inner["_amax_t"] = recorded[1]
-    inner = {k: v for k, v in inner.items() if v is not None}
-    return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)
+    return quantize_usages(
+        x, x_t, quantizer, rowwise=rowwise, columnwise=columnwise, seed=seed, group_name=group_name, amax_history=amax_history, amax=amax
+    )
 
 
 def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, columnwise: bool, amax_history) -> None:
@@ -165,7 +130,7 @@ def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, column
             raise ValueError(
                 f"tq.quantize: {q!r} has a tensor-level amax; the static amax must be 0-dim, got shape {tuple(amax.shape)}"
             )
-        if columnwise and _transformed(q):
+        if columnwise and q.hadamard_transformed():
             raise ValueError(
                 f"tq.quantize: {q!r} transforms the last dim, so its columnwise usage needs its own amax; quantize without a static amax"
             )
@@ -179,9 +144,3 @@ def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, column
         raise ValueError(
             f"tq.quantize: a per-unit static amax serves the rowwise usage only ({q!r}); quantize the transpose separately"
         )
-
-
-def _quantize_static(x, q: Quantizer, amax, rowwise: bool, columnwise: bool, x_t, seed, group_name) -> QuantizedTensor:
-    # Same op, same kernel as a dynamic quantize: only the amax comes from the caller.
-    tensor_amax = amax if q.uses_tensor_amax() else None
-    return _usages(x, x_t, q, rowwise, columnwise, (amax, amax), (tensor_amax, tensor_amax), seed, group_name)

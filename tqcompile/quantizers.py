@@ -25,6 +25,13 @@ import math
 from typing import ClassVar
 
 import torch
+
+# Private torch APIs, the only way to make a quantizer an argument of a custom op that Dynamo
+# guards on by value: `register_opaque_type(cls, typ="value")` (torch._library.opaque_object) and
+# the `OpaqueBase` it requires (torch._opaque_base: torch 2.11 refuses to register a class that
+# does not subclass it; 2.13 accepts either). Checked on torch 2.13: a frozen, slotted dataclass
+# subclassing OpaqueBase registers, pickles, compiles with inductor and passes
+# torch.library.opcheck (DESIGN §1). Recipes (tqcompile.recipes) use the same two.
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
@@ -93,6 +100,30 @@ class Quantizer(OpaqueBase):
     def needs_seed(self) -> bool:
         return False
 
+    def hadamard_transformed(self) -> bool:
+        """True when a Hadamard transform mixes each 16-element block of the last dim before
+        quantizing (NVFP4 `hadamard`): the columnwise usage then has its own amax, and the
+        payload is no plain rounding of the tensor's values."""
+        return False
+
+    def columnwise_is_transpose(self) -> bool:
+        """True when the columnwise usage holds the rowwise usage's quantized values, transposed,
+        each under the same scale (one tensor-level scale, or 2-D blocks whose scale grid
+        transposes with them) and no transform along the last dim. Its payload and scales can
+        then be derived from the rowwise usage by transposing both, unpacking 4-bit payloads
+        (what FSDP2's quantized all-gather does after the gather: `fsdp_layout.transpose_payload`).
+
+        `columnwise_is_byte_transpose` is the narrower case a plain byte transpose serves."""
+        return self.layout()[0] in (Granularity.TENSORWISE, Granularity.BLOCKWISE_2D) and not self.hadamard_transformed()
+
+    def columnwise_is_byte_transpose(self) -> bool:
+        """True when the columnwise usage is the rowwise payload's bytes transposed, with the very
+        same scale tensor: one tensor-level scale and one byte per element (FP8 and INT8
+        tensorwise). A subset of `columnwise_is_transpose`: 2-D blocks also need their scale grid
+        transposed and 4-bit payloads repacked. Tensor parallelism derives a reused operand's
+        columnwise usage this way (`tp_comm.columnwise_from_rowwise`)."""
+        return self.layout()[0] is Granularity.TENSORWISE and self.element_format().bits == 8
+
     # --- value-object protocol ---------------------------------------------------------
     def __repr__(self) -> str:
         parts = []
@@ -140,7 +171,7 @@ class Quantizer(OpaqueBase):
                     )
         if self.element_format().bits == 4 and (len(shape) == 0 or shape[-1] % 2):
             return f"{name}: 4-bit payloads pack two elements a byte; the last dim must be even, got shape {shape}"
-        if getattr(self, "hadamard", False) and shape[-1] % 16:
+        if self.hadamard_transformed() and shape[-1] % 16:
             return f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}"
         return None
 
@@ -154,7 +185,7 @@ class Quantizer(OpaqueBase):
         last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
         if self.element_format().bits == 4:
             last = math.lcm(last, 2)
-        if getattr(self, "hadamard", False):
+        if self.hadamard_transformed():
             last = math.lcm(last, 16)
         units = [1] * len(shape)
         units[-1] = last
@@ -354,6 +385,9 @@ class NVFP4Quantizer(Quantizer):
 
     def needs_seed(self) -> bool:
         return self.stochastic_rounding
+
+    def hadamard_transformed(self) -> bool:
+        return self.hadamard
 
 
 @dataclasses.dataclass(frozen=True, slots=True, repr=False)

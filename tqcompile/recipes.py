@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+# Private torch APIs; why, and the torch versions checked: see the note at these imports in
+# tqcompile.quantizers (a Recipe is a value opaque type for the same reason a quantizer is).
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
 
@@ -79,8 +81,8 @@ class Recipe(OpaqueBase):
             raise ValueError(f"Recipe {self.name!r}: wgrad_grad and wgrad_input must both be quantizers or both None")
         for a, b in _GEMM_PAIRS:
             qa, qb = getattr(self, a), getattr(self, b)
-            ha = getattr(qa, "hadamard", False) and (qa.hadamard_seed,)
-            hb = getattr(qb, "hadamard", False) and (qb.hadamard_seed,)
+            ha = qa is not None and qa.hadamard_transformed() and (qa.hadamard_seed,)
+            hb = qb is not None and qb.hadamard_transformed() and (qb.hadamard_seed,)
             if qa is not None and ha != hb:
                 raise ValueError(
                     f"Recipe {self.name!r}: {a}={qa!r} and {b}={qb!r} are operands of one GEMM; a Hadamard transform "

@@ -11,8 +11,9 @@ Inner tensors (any may be absent, but not both usages):
   1-D blocks (MX, NVFP4 1x16, FP8 1x128), so a dynamic token count T never puts a T // block dim,
   which may be 1, in a compiled graph (see `Quantizer.flat_columnwise_scale`).
 
-Metadata: the quantizer, the original dtype, and the *name* of the amax reduction group (see
-`tqcompile.distributed.groups` for why a name and not the group). `t()` of a 2-D tensor swaps the
+Metadata: the quantizer, the original dtype, the *name* of the amax reduction group (see
+`tqcompile.groups` for why a name and not the group), and `rowwise_not_gathered`, the error to
+raise where an FSDP2 gather left the rowwise usage unfilled (None otherwise). `t()` of a 2-D tensor swaps the
 two usages, since the rowwise usage of ``x.t()`` is the columnwise usage of ``x``.
 """
 
@@ -25,10 +26,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from tqcompile import ops
-from tqcompile.distributed.groups import resolve_group
+from tqcompile.groups import all_reduce_amax, resolve_group
 from tqcompile.quantizers import Granularity, Quantizer
 
-__all__ = ["QuantizedTensor"]
+__all__ = ["QuantizedTensor"]  # quantize_usages: for tqcompile.api, not public
 
 aten = torch.ops.aten
 _ROWWISE = ("_data", "_scale_inv", "_amax")
@@ -53,13 +54,24 @@ class QuantizedTensor(torch.Tensor):
     _amax_t: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, **inner):
+    def __new__(
+        cls, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, *, rowwise_not_gathered=None, **inner
+    ):
         ref = inner.get("_data") if inner.get("_data") is not None else inner.get("_data_t")
         if ref is None:
             raise ValueError("QuantizedTensor needs a rowwise (_data) or a columnwise (_data_t) payload")
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=orig_dtype, device=ref.device, requires_grad=False)
 
-    def __init__(self, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, **inner):
+    def __init__(
+        self,
+        shape,
+        quantizer: Quantizer,
+        orig_dtype: torch.dtype,
+        amax_group_name: str | None = None,
+        *,
+        rowwise_not_gathered: str | None = None,
+        **inner,
+    ):
         unknown = set(inner) - set(_INNER)
         if unknown:
             raise TypeError(f"QuantizedTensor: unknown inner tensors {sorted(unknown)}; allowed: {_INNER}")
@@ -68,6 +80,9 @@ class QuantizedTensor(torch.Tensor):
         self.quantizer = quantizer
         self.orig_dtype = orig_dtype
         self.amax_group_name = amax_group_name
+        # The error to raise where a GEMM reads the rowwise usage, set by the FSDP2 all-gather that
+        # left it unfilled (`tqcompile.distributed.fsdp`), else None. Metadata, so Dynamo guards on it.
+        self.rowwise_not_gathered = rowwise_not_gathered
 
     # --- public accessors ----------------------------------------------------------------
     @property
@@ -110,12 +125,13 @@ class QuantizedTensor(torch.Tensor):
 
     # --- tracing ---------------------------------------------------------------------------
     def __tensor_flatten__(self):
-        return [n for n in _INNER if getattr(self, n) is not None], (self.quantizer, self.orig_dtype, self.amax_group_name)
+        meta = (self.quantizer, self.orig_dtype, self.amax_group_name, self.rowwise_not_gathered)
+        return [n for n in _INNER if getattr(self, n) is not None], meta
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta, outer_size, outer_stride):
-        quantizer, orig_dtype, group_name = meta
-        return QuantizedTensor(outer_size, quantizer, orig_dtype, group_name, **inner)
+        quantizer, orig_dtype, group_name, not_gathered = meta
+        return QuantizedTensor(outer_size, quantizer, orig_dtype, group_name, rowwise_not_gathered=not_gathered, **inner)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -123,8 +139,15 @@ class QuantizedTensor(torch.Tensor):
         return {n: getattr(self, n) for n in _INNER if getattr(self, n) is not None}
 
     def _with(self, shape=None, orig_dtype=None, **inner) -> QuantizedTensor:
+        # The same payloads (views, copies): an unfilled rowwise usage stays unfilled where it is kept.
+        not_gathered = self.rowwise_not_gathered if "_data" in inner else None
         return QuantizedTensor(
-            self.shape if shape is None else shape, self.quantizer, orig_dtype or self.orig_dtype, self.amax_group_name, **inner
+            self.shape if shape is None else shape,
+            self.quantizer,
+            orig_dtype or self.orig_dtype,
+            self.amax_group_name,
+            rowwise_not_gathered=not_gathered,
+            **inner,
         )
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], **kw) -> QuantizedTensor:
@@ -206,7 +229,9 @@ def _transpose(func, args, kwargs):
             swapped["_scale_inv"] = swapped["_scale_inv"].reshape(q.scale_shape(shape))
         if "_scale_inv_t" in swapped:
             swapped["_scale_inv_t"] = swapped["_scale_inv_t"].reshape(-1)
-    return self._with(shape=shape, **swapped)
+    # Not `_with`: the rowwise usage of the result is this one's columnwise usage, which an FSDP2
+    # gather that left the rowwise usage unfilled did bring (no `rowwise_not_gathered`).
+    return QuantizedTensor(shape, q, self.orig_dtype, self.amax_group_name, **swapped)
 
 
 @_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -296,14 +321,12 @@ def _copy(func, args, kwargs):
     if dst.shape != src.shape:
         raise ValueError(f"copy_: shape mismatch, destination {tuple(dst.shape)} vs source {tuple(src.shape)}")
     if not isinstance(src, QuantizedTensor):
-        from tqcompile.api import quantize
-
-        src = quantize(
-            src.to(dst.orig_dtype) if src.dtype != dst.orig_dtype else src,
-            dst.quantizer,
-            amax_group=dst.amax_group_name,
-            rowwise=dst.has_rowwise,
-            columnwise=dst.has_columnwise,
+        # Quantized as `tq.quantize(src, dst.quantizer, amax_group=..., rowwise=..., columnwise=...)` would: its
+        # checks hold already (src has dst's shape, which dst's quantizer took, and dst's dtype after the cast).
+        x = src.to(dst.orig_dtype) if src.dtype != dst.orig_dtype else src
+        x_t = x.reshape(x.shape[:-1].numel(), x.shape[-1]).t() if dst.has_columnwise else None
+        src = quantize_usages(
+            x, x_t, dst.quantizer, rowwise=dst.has_rowwise, columnwise=dst.has_columnwise, seed=None, group_name=dst.amax_group_name
         )
     if src.quantizer != dst.quantizer or set(src._inner()) != set(dst._inner()):
         raise ValueError(
@@ -333,3 +356,60 @@ def _as_strided(func, args, kwargs):
 def _is_pinned(func, args, kwargs):
     # Asked by torch.distributed.checkpoint before it copies a tensor.
     return all(t.is_pinned() for t in args[0]._inner().values())
+
+
+def quantize_usages(
+    x: torch.Tensor,
+    x_t: torch.Tensor | None,
+    q: Quantizer,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    seed: torch.Tensor | None,
+    group_name: str | None,
+    amax_history: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """The kernels behind `tq.quantize`, once its arguments are checked: quantize the usages of `x`
+    asked for (the columnwise one from `x_t`, x's 2-D transpose) into a QuantizedTensor.
+
+    It lives here, below `tqcompile.api`, because `copy_` of a plain tensor into a QuantizedTensor
+    quantizes the same way. `amax`: a static amax (the kernels scale with it; only a tensor-level
+    one is recorded); otherwise tensor-level amaxes are computed, MAX-reduced over `group_name`
+    and, with `amax_history`, replaced by delayed scaling's. `seed` is drawn when the quantizer
+    needs one and none is given."""
+    if seed is None and q.needs_seed():
+        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device)
+    if amax is not None:
+        tensor_amax = amax if q.uses_tensor_amax() else None
+        return _usages(x, x_t, q, rowwise, columnwise, (amax, amax), (tensor_amax, tensor_amax), seed, group_name)
+    amax_t = None
+    if q.uses_tensor_amax():
+        amax = ops.amax(x, q)
+        if columnwise:
+            # A transform along the last dim makes the columnwise amax differ from the rowwise one.
+            amax_t = ops.amax(x_t, q) if q.hadamard_transformed() else amax
+        if group_name is not None:
+            if amax_t is not None and amax_t is not amax:
+                amax, amax_t = all_reduce_amax(torch.stack((amax, amax_t)), group_name).unbind()
+            else:
+                amax = all_reduce_amax(amax, group_name)
+                amax_t = amax if columnwise else None
+        if amax_history is not None:
+            amax = ops.amax_history_update(amax_history, amax)
+            amax_t = amax if columnwise else None
+    return _usages(x, x_t, q, rowwise, columnwise, (amax, amax_t), (amax, amax_t), seed, group_name)
+
+
+def _usages(x, x_t, q: Quantizer, rowwise: bool, columnwise: bool, amaxes, recorded, seed, group_name) -> QuantizedTensor:
+    """Quantize the requested usages of `x` (columnwise from `x_t`) with the kernel amaxes `amaxes`
+    (rowwise, columnwise) and build the QuantizedTensor recording the amaxes `recorded`."""
+    inner = {}
+    if rowwise:
+        inner["_data"], inner["_scale_inv"] = ops.quantize(x, q, amaxes[0], seed)
+        inner["_amax"] = recorded[0]
+    if columnwise:
+        inner["_data_t"], inner["_scale_inv_t"] = ops.quantize_columnwise(x_t, q, amaxes[1], seed)
+        inner["_amax_t"] = recorded[1]
+    inner = {k: v for k, v in inner.items() if v is not None}
+    return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)

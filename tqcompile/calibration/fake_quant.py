@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tqcompile.api import quantize
-from tqcompile.quantizers import Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Granularity, MXQuantizer, Quantizer
 
 __all__ = ["fake_quantize", "TensorQuantizer", "static_amax_kind"]
 
@@ -57,7 +57,7 @@ class _FakeQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, amax: torch.Tensor | None, quantizer: Quantizer, clipped: bool) -> torch.Tensor:
         y = quantize(x, quantizer, amax=amax).dequantize()
-        clip = clipped and amax is not None and not (isinstance(quantizer, NVFP4Quantizer) and quantizer.hadamard)
+        clip = clipped and amax is not None and not quantizer.hadamard_transformed()
         ctx.clip = clip
         if clip:
             # NaN/Inf inputs are outside every range: their gradient is zero.

@@ -187,7 +187,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
             s: None if entry[s]["quantizer"] is None else quantizer_from_dict(entry[s]["quantizer"], f"state[{name!r}].{s}")
             for s in SLOTS
         }
-        amaxes = {s: _local(entry[s]["amax"]) for s in SLOTS}
+        amaxes = {s: _own_shard(entry[s]["amax"]) for s in SLOTS}
         for s in SLOTS:
             _check_amax(name, module, s, qs[s], amaxes[s])
         plans.append((name, module, qs, amaxes))
@@ -215,7 +215,7 @@ def _wrapper_hint(saved: set[str], current: set[str]) -> str:
     return ""
 
 
-def _local(amax: torch.Tensor | None) -> torch.Tensor | None:
+def _own_shard(amax: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's shard of a DTensor amax (an expert-parallel state loaded with DCP), else the tensor."""
     from torch.distributed.tensor import DTensor
 

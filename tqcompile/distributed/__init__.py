@@ -1,25 +1,25 @@
-"""Distributed pieces: amax reduction groups, FSDP2 quantized all-gather, DCP checkpoints, and
+"""Distributed pieces: amax reduction groups (re-exported from `tqcompile.groups`, which sits below
+`tqcompile.tensor`), FSDP2 quantized all-gather, DCP checkpoints, and
 tensor/sequence-parallel styles for converted layers."""
 
-from tqcompile.distributed import checkpoint
+from tqcompile.distributed import checkpoint, tensor_parallel
 from tqcompile.distributed.fsdp import (
     QuantizedAllGatherWarning,
     QuantizedWeight,
     enable_quantized_all_gather,
     quantized_all_gather_reason,
 )
-from tqcompile.distributed.groups import all_reduce_amax, group_name_of, resolve_group
 from tqcompile.distributed.precompute import precompute_scales
 from tqcompile.distributed.recompute import recompute_in_backward
-
-_TENSOR_PARALLEL = (
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "QuantizedSequenceParallelInput",
-    "SequenceGatheredInput",
+from tqcompile.distributed.tensor_parallel import (  # noqa: F401  (listed in __all__ through tensor_parallel.__all__)
+    ColwiseParallel,
+    PrepareModuleInput,
+    QuantizedSequenceParallelInput,
+    RowwiseParallel,
+    SequenceGatheredInput,
+    SequenceParallel,
 )
+from tqcompile.groups import all_reduce_amax, group_name_of, resolve_group
 
 __all__ = [
     "all_reduce_amax",
@@ -32,15 +32,6 @@ __all__ = [
     "quantized_all_gather_reason",
     "recompute_in_backward",
     "checkpoint",
-    *_TENSOR_PARALLEL,
+    *tensor_parallel.__all__,  # ColwiseParallel, RowwiseParallel, ... (imported above)
 ]
 
-
-def __getattr__(name: str):
-    # Imported on first use: tensor_parallel needs tqcompile.api and tqcompile.nn, which import
-    # this package (for groups) while tqcompile itself is still importing.
-    if name in _TENSOR_PARALLEL:
-        from tqcompile.distributed import tensor_parallel
-
-        return getattr(tensor_parallel, name)
-    raise AttributeError(f"module 'tqcompile.distributed' has no attribute {name!r}")

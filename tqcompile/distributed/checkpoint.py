@@ -35,6 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map_only
 
+from tqcompile.distributed.fsdp import QuantizedWeight
+from tqcompile.nn.base import is_converted
+
 __all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError"]
 
 _KEY = "tqcompile_quantization"
@@ -55,17 +58,13 @@ def _clean(fqn: str) -> str:
 
 def quantization_metadata(model: nn.Module) -> dict[str, str]:
     """{layer name: its recipe's repr} for every converted layer of `model` (wrapper prefixes removed)."""
-    from tqcompile.nn.linear import _Quantized
-
-    return {_clean(name): repr(m.recipe) for name, m in model.named_modules() if isinstance(m, _Quantized)}
+    return {_clean(name): repr(m.recipe) for name, m in model.named_modules() if is_converted(m)}
 
 
 def _plain(value):
     """The high-precision tensor a `QuantizedWeight` (or a DTensor of one) holds, sharing its storage,
     so the files hold plain tensors that any process can load (with `weights_only=True`)."""
     from torch.distributed.tensor import DTensor
-
-    from tqcompile.distributed.fsdp import QuantizedWeight
 
     if isinstance(value, DTensor) and isinstance(value._local_tensor, QuantizedWeight):
         return DTensor.from_local(

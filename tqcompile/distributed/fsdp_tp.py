@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tqcompile.distributed.groups import all_reduce_amax
+from tqcompile.groups import all_reduce_amax
 from tqcompile.quantizers import Granularity, Quantizer
 
 __all__: list[str] = []
@@ -54,16 +54,12 @@ class TPSplit:
     dim: int
 
 
-def tp_split(fsdp_param: Any, module: Any) -> TPSplit | None:
-    """The TP split of `fsdp_param`'s DTensor weight when `module` is a tqcompile TP layer (whose
-    forward takes a quantized local weight), else None (gathered in high precision, as before).
-
-    Reads FSDP2's private DTensor spec of the parameter before FSDP2 sharded it (the TP mesh and
-    placement): `_unsharded_dtensor_spec` on torch 2.13 (checked), `_tp_spec` on earlier releases
-    (the name in their source; not run here)."""
+def tp_split(spec: Any, module: Any) -> TPSplit | None:
+    """The TP split of a DTensor weight placed by `spec` (its DTensor spec before FSDP2 sharded it:
+    `fsdp_state.ManagedParam.tp_spec`) when `module` is a tqcompile TP layer (whose forward takes a
+    quantized local weight), else None (gathered in high precision, as before)."""
     if getattr(module, "_tp", None) is None:
         return None
-    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None) or getattr(fsdp_param, "_tp_spec", None)
     if spec is None or spec.mesh.ndim != 1:
         return None
     placement = spec.placements[0]

@@ -29,7 +29,7 @@ from torch.distributed.tensor import parallel as torch_tp
 
 from tqcompile.models.gpt import GPT
 from tqcompile.models.parallel import parallelize_gpt
-from tqcompile.nn.linear import _Quantized
+from tqcompile.nn.base import is_converted
 
 __all__ = ["parallelize", "mesh_dims"]
 
@@ -65,7 +65,7 @@ def _apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
         )
     if cfg.n_head % tp or cfg.seq_len % tp:
         raise ValueError(f"parallelize: TP degree {tp} must divide n_head={cfg.n_head} and seq_len={cfg.seq_len}")
-    if any(isinstance(m, _Quantized) for m in model.modules()):
+    if any(is_converted(m) for m in model.modules()):
         parallelize_gpt(model, tp_mesh)  # tqcompile's styles: activations gathered quantized
         return
     # The bf16 baseline, with torch's styles. Its ColwiseParallel gives each rank a contiguous

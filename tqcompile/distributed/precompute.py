@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tqcompile.distributed.fsdp import QuantizedWeight, _fsdp_param_group_of, _local
-from tqcompile.distributed.groups import all_reduce_amax
+from tqcompile.distributed.fsdp import QuantizedWeight, managed_param
+from tqcompile.distributed.fsdp_amax import shard_amaxes
+from tqcompile.distributed.fsdp_state import local_tensor
+from tqcompile.groups import all_reduce_amax
 
 __all__ = ["precompute_scales"]
 
@@ -25,12 +27,12 @@ def precompute_scales(model: nn.Module) -> int:
     """
     by_group: dict[str | None, list[tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor | None]]] = {}
     for p in model.parameters():
-        w = _local(p)
+        w = local_tensor(p)
         if not isinstance(w, QuantizedWeight):
             continue
-        found = _fsdp_param_group_of(w)
-        name = found[1].shard_mesh.get_group().group_name if found is not None else None
-        by_group.setdefault(name, []).append((w, *w._local_amaxes()))
+        found = managed_param(w)
+        name = found.shard_group().group_name if found is not None else None
+        by_group.setdefault(name, []).append((w, *shard_amaxes(w.quantizer, w._tensor)))
     count = 0
     for name, items in by_group.items():
         flat = [x.reshape(-1) for _, t, c in items for x in (t, c) if x is not None]
@@ -44,6 +46,6 @@ def precompute_scales(model: nn.Module) -> int:
                 else:
                     parts.append(reduced[offset : offset + x.numel()].reshape(x.shape))
                     offset += x.numel()
-            w._set_amaxes(*parts)
+            w.amaxes.set_reduced(*parts)
             count += 1
     return count

@@ -21,6 +21,10 @@ before any recompute has happened, so the decision is made from the module struc
   `model.gradient_checkpointing_enable()`, which checkpoints its own forward;
 - or the layer marked with `recompute_in_backward`, for what the structure cannot show
   (`torch.utils.checkpoint.checkpoint` called inside a forward).
+
+`will_recompute_forward` answers for one layer; `fix_recompute` is what FSDP2's first gather of the
+layer's weight asks, and it records the answer so that a later `recompute_in_backward` raises
+instead of silently changing nothing.
 """
 
 from __future__ import annotations
@@ -30,15 +34,22 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["recompute_in_backward", "recomputed_in_backward"]
+from tqcompile.distributed.fsdp_state import fsdp_roots
+from tqcompile.nn.base import is_converted
 
-# A plain attribute on the converted layer (not the weight: FSDP2 replaces the parameter object when
-# it shards it). Only FSDP2's all-gather hooks read it, outside any compiled code.
+__all__ = ["recompute_in_backward", "will_recompute_forward", "fix_recompute"]
+
+# Plain attributes on the converted layer (not the weight: FSDP2 replaces the parameter object when
+# it shards it), written by this module only. Only FSDP2's all-gather hooks read them, outside any
+# compiled code. _MARK: the switch `recompute_in_backward` sets; _FIXED: (the answer FSDP2's first
+# gather of the layer's weight used, the layer's name there), see `fix_recompute`.
 _MARK = "_tq_recompute_in_backward"
+_FIXED = "_tq_recompute_fixed"
 
 
-def _is_converted(module: nn.Module) -> bool:
-    return getattr(module, "recipe", None) is not None and isinstance(getattr(module, "weight", None), nn.Parameter)
+def _gathered_layer(module: nn.Module) -> bool:
+    """A converted layer with a weight FSDP2 can gather quantized (the attention adapters have none)."""
+    return is_converted(module) and isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
 def recompute_in_backward(module: nn.Module, enabled: bool = True) -> int:
@@ -61,19 +72,17 @@ def recompute_in_backward(module: nn.Module, enabled: bool = True) -> int:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"recompute_in_backward: module must be an nn.Module, got {type(module).__name__}")
-    layers = [m for m in module.modules() if _is_converted(m)]
+    layers = [m for m in module.modules() if _gathered_layer(m)]
     if not layers:
         raise ValueError(
             f"recompute_in_backward: {type(module).__name__} holds no layer converted by tq.convert; call it after tq.convert"
         )
-    from tqcompile.distributed.fsdp import QuantizedWeight, _local  # fsdp imports this module
-
     for layer in layers:
-        weight = _local(layer.weight)
+        fixed = layer.__dict__.get(_FIXED)
         # FSDP2 sized this weight's gathers without the rowwise usage in backward: too late to change.
-        if enabled and isinstance(weight, QuantizedWeight) and weight._recomputed is False:
+        if enabled and fixed is not None and not fixed[0]:
             raise ValueError(
-                f"recompute_in_backward: layer {weight.layer!r} was already all-gathered by FSDP2, which fixed what its "
+                f"recompute_in_backward: layer {fixed[1]!r} was already all-gathered by FSDP2, which fixed what its "
                 "backward gather brings; call recompute_in_backward before the first forward"
             )
     for layer in layers:
@@ -122,22 +131,7 @@ def _path(top: nn.Module, layer: nn.Module) -> list[nn.Module] | None:
     return None
 
 
-def _fsdp_roots() -> list[nn.Module]:
-    """The modules of the root FSDP2 states (set at the root's lazy init, before its first gather).
-
-    Private FSDP2 internals, in this one place: nothing public lists the roots. Checked on torch 2.13.
-    """
-    from torch.distributed._composable_state import _module_state_mapping
-
-    roots = []
-    for module, ref in list(_module_state_mapping.items()):
-        state = ref()
-        if getattr(state, "_is_root", False):
-            roots.append(module)
-    return roots
-
-
-def recomputed_in_backward(layer: nn.Module, fsdp_modules: Iterable[nn.Module]) -> bool:
+def will_recompute_forward(layer: nn.Module, fsdp_modules: Iterable[nn.Module]) -> bool:
     """Whether `layer`'s forward runs again during backward: it is marked with `recompute_in_backward`,
     or a module from an FSDP2 module down to it is activation-checkpointed. `fsdp_modules`: those of
     the FSDP2 parameter group that gathers its weight; the FSDP2 roots are searched too, since a
@@ -146,8 +140,19 @@ def recomputed_in_backward(layer: nn.Module, fsdp_modules: Iterable[nn.Module]) 
     the unit's pre-backward hook)."""
     if getattr(layer, _MARK, False):
         return True
-    for top in [*fsdp_modules, *_fsdp_roots()]:
+    for top in [*fsdp_modules, *fsdp_roots()]:
         path = _path(top, layer)
         if path is not None and any(_checkpoints_forward(m) for m in path):
             return True
     return False
+
+
+def fix_recompute(layer: nn.Module, fsdp_modules: Iterable[nn.Module], name: str) -> bool:
+    """`will_recompute_forward(layer, fsdp_modules)`, decided once: FSDP2's first all-gather of the
+    weight of `layer` (called `name` in messages) asks, as FSDP2 fixes the buffer size there; later
+    calls return the same answer, and `recompute_in_backward` refuses to change it."""
+    fixed = layer.__dict__.get(_FIXED)
+    if fixed is None:
+        fixed = (will_recompute_forward(layer, fsdp_modules), name)
+        setattr(layer, _FIXED, fixed)
+    return fixed[0]

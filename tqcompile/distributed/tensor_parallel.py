@@ -33,6 +33,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tqcompile.distributed import tp_comm
 from tqcompile.distributed.agreement import check_ranks_agree, recipe_fact
+from tqcompile.distributed.fsdp import QuantizedWeight
 from tqcompile.distributed.tp_linear import (
     REPLICATE,
     SEQUENCE,
@@ -41,7 +42,8 @@ from tqcompile.distributed.tp_linear import (
     gather_input,
     rowwise_linear,
 )
-from tqcompile.nn.linear import Linear, _Quantized
+from tqcompile.nn.base import is_converted
+from tqcompile.nn.linear import Linear
 from tqcompile.recipes import Recipe
 
 __all__ = [
@@ -85,11 +87,14 @@ def _describe(module: nn.Module) -> str:
 
 
 def _facts(module: nn.Module) -> dict[str, str]:
-    """What ranks must agree on about a module they parallelize: its kind, shape and recipe."""
+    """What ranks must agree on about a module they parallelize: its kind and shape, and the
+    recipes of the converted layers in it (a style such as `QuantizedSequenceParallelInput` takes
+    its recipe from them)."""
     kind = type(module).__name__
     if hasattr(module, "in_features"):
         kind += f"(in_features={module.in_features}, out_features={module.out_features})"
-    return {"module": kind, "recipe": recipe_fact(getattr(module, "recipe", None))}
+    recipes = sorted({recipe_fact(m.recipe) for m in module.modules() if is_converted(m)})
+    return {"module": kind, "recipe": ", ".join(recipes) or "not converted"}
 
 
 def _agree(style: _tp.ParallelStyle, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -109,8 +114,6 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Place
         return
     if isinstance(p, DTensor):
         raise ValueError(f"{type(module).__name__}.{name} is already a DTensor ({p.placements}); parallelize each layer once")
-    from tqcompile.distributed.fsdp import QuantizedWeight
-
     if isinstance(p, QuantizedWeight):
         # distribute_tensor returns a plain local tensor; keep the FSDP2 weight wrapper on the local
         # piece, so a later fully_shard on the dp mesh gathers it quantized (fsdp_tp).
@@ -198,7 +201,7 @@ class ColwiseParallel(_tp.ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _agree(self, module, device_mesh)
         if not isinstance(module, Linear):
-            if isinstance(module, _Quantized):
+            if is_converted(module):
                 raise TypeError(
                     f"ColwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)"
                 )
@@ -261,7 +264,7 @@ class RowwiseParallel(_tp.RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _agree(self, module, device_mesh)
         if not isinstance(module, Linear):
-            if isinstance(module, _Quantized):
+            if is_converted(module):
                 raise TypeError(
                     f"RowwiseParallel: {type(module).__name__} is not supported (only tq.nn.Linear layers, and unconverted modules)"
                 )
@@ -305,7 +308,7 @@ class SequenceParallel(_tp.SequenceParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _agree(self, module, device_mesh)
-        if isinstance(module, _Quantized):
+        if is_converted(module):
             raise TypeError(
                 f"SequenceParallel: {type(module).__name__} is a quantized layer; use ColwiseParallel(input_layouts=Shard(1)) "
                 "or RowwiseParallel(output_layouts=Shard(1)) for it"

@@ -29,8 +29,8 @@ import torch.distributed._functional_collectives as funcol
 
 from tqcompile import ops
 from tqcompile.api import quantize
-from tqcompile.distributed.groups import all_reduce_amax
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, Quantizer
+from tqcompile.groups import all_reduce_amax
+from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.tensor import QuantizedTensor
 
 # torch 2.13 renamed these (the old names warn); torch 2.11 has only the old ones.
@@ -44,7 +44,6 @@ __all__ = [
     "all_gather_seq",
     "reduce_scatter_seq",
     "all_reduce_sum",
-    "transposable",
 ]
 
 _ROW, _COL = "rowwise", "columnwise"
@@ -149,18 +148,8 @@ def quantize_shard(
     return QuantizedTensor(x.shape, quantizer, x.dtype, group_name, **inner)
 
 
-def transposable(q: Quantizer) -> bool:
-    """True when the columnwise usage is exactly the transposed rowwise payload with the same scale
-    (one scale for the whole tensor, one byte per element), so it can be derived locally."""
-    return (
-        isinstance(q, (Float8Quantizer, IntQuantizer))
-        and q.layout()[0] is Granularity.TENSORWISE
-        and q.element_format().bits == 8
-    )
-
-
 def columnwise_from_rowwise(qt: QuantizedTensor) -> QuantizedTensor:
-    """The columnwise usage of a `transposable` 2-D QuantizedTensor, from its rowwise usage."""
+    """The columnwise usage of a 2-D QuantizedTensor whose quantizer `columnwise_is_byte_transpose()`, from its rowwise usage."""
     return _rebuild(qt, qt.shape, _data_t=qt._data.t().contiguous(), _scale_inv_t=qt._scale_inv, _amax_t=qt._amax)
 
 

@@ -1,4 +1,5 @@
-"""The tensor-parallel quantized linear: colwise and rowwise, as autograd.Functions on local shards.
+"""The tensor-parallel quantized linear: colwise and rowwise layouts as operand sources of the one
+quantized linear Function (`tqcompile.nn.functional`; sources: `tqcompile.nn.operands`).
 
 Data flow (the three GEMMs are explained in `tqcompile.recipes`; "split" means which dim of the
 2-D operand is divided over the TP group, and so which scales `quantize_shard` reduces):
@@ -32,12 +33,13 @@ order of the partial sums (dx of colwise, y of rowwise) differs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from tqcompile import ops
-from tqcompile.api import quantize
 from tqcompile.distributed import tp_comm as comm
-from tqcompile.nn.functional import qgemm
+from tqcompile.nn.functional import LinearFwdArgs, apply_linear
+from tqcompile.nn.operands import ActivationSource, WeightSource
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 
@@ -88,279 +90,126 @@ def _batch_seq(shape: torch.Size, seq_dim: int) -> tuple[int, int]:
     return shape[:-2].numel(), shape[-2]
 
 
-def _quantize_gather(x2, recipe: Recipe, group, world, batch, seq_local, what, want_wgrad, hist_x, defer_wgrad):
-    """Quantize the token shard x2 (M/tp, K) for fprop (and wgrad) and all-gather it quantized.
-
-    Returns (gathered fprop operand, wgrad operand): the wgrad operand is None where it is the
-    transposed fprop payload (tensorwise FP8); otherwise it is quantized on the shard now and,
-    with `defer_wgrad`, returned unsent (backward gathers it: the forward gathers only what the
-    forward GEMM needs), else gathered in the same collective as the fprop operand."""
-    r = recipe
-    comm.check_shard(r.fprop_input, seq_local, world, 0, "rowwise", f"{what} input", tokens=True)
-    qx = comm.quantize_shard(x2, r.fprop_input, group, 0, amax_history=hist_x)
-    qxw = None
-    if want_wgrad and not (r.wgrad_input == r.fprop_input and comm.transposable(r.fprop_input)):
-        comm.check_shard(r.wgrad_input, seq_local, world, 0, "columnwise", f"{what} input", tokens=True)
-        qxw = comm.quantize_shard(x2, r.wgrad_input, group, 0, rowwise=False, columnwise=True)
-    if qxw is None or defer_wgrad:
-        return comm.all_gather_tokens([qx], group, world, batch)[0], qxw
-    return tuple(comm.all_gather_tokens([qx, qxw], group, world, batch))
+def _columnwise(row: QuantizedTensor | None, col: QuantizedTensor | None) -> QuantizedTensor:
+    # No columnwise operand: it is the transposed (gathered) rowwise payload (`Quantizer.columnwise_is_byte_transpose`).
+    return col if col is not None else comm.columnwise_from_rowwise(row)
 
 
-def _weight_operand(weight, recipe: Recipe, group: str, split_dim: int, need_dgrad: bool, next_w, what: str):
-    """(fprop operand, whether it also carries dgrad's columnwise usage, whether FSDP2 gathered it).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeatureShard(ActivationSource):
+    """Split on its features over the TP group (a colwise layer's y and dy, a rowwise layer's x):
+    amaxes, and per-row amaxes along the features, are reduced over the group."""
 
-    A `QuantizedTensor` is the weight FSDP2 all-gathered quantized on a 2-D mesh
-    (`tqcompile.distributed.fsdp_tp`): its amaxes were reduced over the FSDP and the TP group, and
-    it holds the usages this pass needs, so it is used as it is (quantizing it again would be
-    wrong, not just slow). Anything else is the high-precision local shard, quantized here."""
-    r = recipe
-    if isinstance(weight, QuantizedTensor):
-        if not (weight.quantizer == r.fprop_weight == r.dgrad_weight):
+    group: str = ""
+
+    def quantize(self, t, q, *, rowwise=True, columnwise=False, amax_history=None):
+        return comm.quantize_shard(t, q, self.group, 1, rowwise=rowwise, columnwise=columnwise, amax_history=amax_history)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Replicated(ActivationSource):
+    """Whole on every rank (a colwise layer's x, a rowwise layer's y): quantized whole, as in one
+    process, while the GEMM that yields it (dgrad's dx, fprop's y) is a partial sum over the shards,
+    all-reduced in high precision (a sum of separately quantized partial sums is not the one-process result)."""
+
+    group: str = ""
+
+    def reduce(self, partial, batch):
+        return comm.all_reduce_sum(partial, self.group)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceShard(ActivationSource):
+    """Split along the sequence over the TP group (sequence parallelism; a colwise layer's x, a
+    rowwise layer's y): quantized on the shard with amaxes over the group and all-gathered quantized
+    for the GEMMs, while the GEMM that yields it is reduce-scattered back to the shards."""
+
+    group: str = ""
+    world: int = 1
+    seq_dim: int = 1
+    what: str = ""
+
+    def quantize(self, t, q, *, rowwise=True, columnwise=False, amax_history=None):
+        return comm.quantize_shard(t, q, self.group, 0, rowwise=rowwise, columnwise=columnwise, amax_history=amax_history)
+
+    def batch(self, shape):
+        return _batch_seq(shape, self.seq_dim)[0]
+
+    def gathered_lead(self, shape):
+        return (*shape[:-2], _batch_seq(shape, self.seq_dim)[1] * self.world)
+
+    def scattered_lead(self, lead):
+        if lead[-1] % self.world:
             raise ValueError(
-                f"{what}: the gathered weight was quantized with {weight.quantizer!r}; recipe {r.name!r} wants "
-                f"{r.fprop_weight!r} for fprop and {r.dgrad_weight!r} for dgrad"
+                f"{self.what}: sequence parallelism splits the sequence (token) dimension over {self.world} ranks, but the "
+                f"sequence length {lead[-1]} is not divisible by the TP degree {self.world}; use a multiple of {self.world} "
+                "(pad the sequence)"
             )
-        if weight.amax_group_name != group:
-            raise ValueError(
-                f"{what}: the gathered weight's amaxes were reduced over group {weight.amax_group_name!r}, not over "
-                f"this layer's TP group {group!r}; its scales would not be the single-process ones"
-            )
-        if getattr(weight, "_rowwise_not_gathered", None):  # a recomputed forward (tqcompile.distributed.recompute)
-            raise ValueError(weight._rowwise_not_gathered)
-        return weight, need_dgrad, True
-    w_shared = need_dgrad and r.dgrad_weight == r.fprop_weight
-    return (
-        comm.quantize_shard(weight, r.fprop_weight, group, split_dim, columnwise=w_shared, amax_history=next_w),
-        w_shared,
-        False,
-    )
+        return (*lead[:-1], lead[-1] // self.world)
+
+    def operands(self, t2, q_row, q_col, *, row, col, amax_history, batch, what, defer_col=False):
+        # Both usages in one collective; the columnwise one is the transposed rowwise payload where that
+        # is exact, and with `defer_col` it stays on the shard until backward gathers it (forward gathers
+        # only what the forward GEMM needs).
+        seq_local = t2.shape[0] // batch
+        transposed = col and q_col == q_row and q_row.columnwise_is_byte_transpose()
+        qts, col_local = [], None
+        if row or transposed:
+            comm.check_shard(q_row, seq_local, self.world, 0, "rowwise", what, tokens=True)
+            qts.append(self.quantize(t2, q_row, amax_history=amax_history))
+        if col and not transposed:
+            comm.check_shard(q_col, seq_local, self.world, 0, "columnwise", what, tokens=True)
+            col_local = self.quantize(t2, q_col, rowwise=False, columnwise=True)
+            if not defer_col:
+                qts.append(col_local)
+        gathered = comm.all_gather_tokens(qts, self.group, self.world, batch) if qts else []
+        qa = gathered[0] if row or transposed else None
+        return qa, gathered[-1] if col_local is not None and not defer_col else col_local
+
+    def wgrad_operand(self, row, col, batch, deferred):
+        if col is not None and deferred:
+            return comm.all_gather_tokens([col], self.group, self.world, batch)[0]
+        return _columnwise(row, col)
+
+    def gather_hp(self, t2, batch):
+        return comm.all_gather_seq(t2, self.group, self.world, batch)
+
+    def reduce(self, partial, batch):
+        return comm.reduce_scatter_seq(partial, self.group, self.world, batch)
+
+    def bias_grad(self, db):
+        # The bias was added after the reduce-scatter: each rank saw part of the tokens.
+        return comm.all_reduce_sum(db, self.group)
 
 
-def _wgrad_operand(qx_gathered: QuantizedTensor, qw_gathered: QuantizedTensor | None) -> QuantizedTensor:
-    return qw_gathered if qw_gathered is not None else comm.columnwise_from_rowwise(qx_gathered)
+@dataclasses.dataclass(frozen=True)
+class SharedGather(ActivationSource):
+    """A colwise layer's input that `gather_input` quantized and gathered once for several layers:
+    its operands come as the Function's given tensors, and its gradient flows back through the
+    anchor, whose backward reduce-scatters the consumers' sum."""
+
+    def wgrad_operand(self, row, col, batch, deferred):
+        return _columnwise(row, col)
 
 
-def _history_copies(hist_x, hist_w):
-    # Delayed scaling, as `tq.nn.functional.linear` does it: forward quantizes from copies of the
-    # histories (the op rolls the copy, whose index 0 is then this call's group-reduced amax); the
-    # buffers themselves roll in backward, so a recomputed forward sees what the original saw.
-    return (None, None) if hist_x is None else (hist_x.clone(), hist_w.clone())
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightShard(WeightSource):
+    """The weight split over the TP group on `split_dim` (0: N, a colwise layer; 1: K, a rowwise one)."""
 
+    group: str = ""
+    split_dim: int = 0
 
-def _current_amaxes(next_x, next_w):
-    return None if next_x is None else torch.stack((next_x[0], next_w[0]))
+    def quantize(self, w, q, *, rowwise=True, columnwise=False, amax_history=None):
+        return comm.quantize_shard(w, q, self.group, self.split_dim, rowwise=rowwise, columnwise=columnwise, amax_history=amax_history)
 
-
-def _roll_histories(histories, current_amaxes, update: bool):
-    """Roll the input and weight histories (training only); return the gradient's history to quantize
-    dy with (a copy in eval mode, so it scales from the history without rolling it)."""
-    hist_x, hist_w, hist_dy = histories
-    if hist_dy is not None and not update:
-        hist_dy = hist_dy.clone()
-    if hist_x is not None and update:
-        ops.amax_history_update(hist_x, current_amaxes[0])
-        if hist_w is not None:  # None: an FSDP2-gathered weight, whose gather rolled it
-            ops.amax_history_update(hist_w, current_amaxes[1])
-    return hist_dy
-
-
-class _ColwiseLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        x,
-        weight,
-        bias,
-        shared_fprop,
-        shared_wgrad,
-        recipe: Recipe,
-        group,
-        world,
-        mode,
-        seq_dim,
-        what,
-        backward,
-        update,
-        hist_x,
-        hist_w,
-        hist_dy,
-    ):
-        r = recipe
-        need_dgrad, need_wgrad = backward and ctx.needs_input_grad[0], backward and ctx.needs_input_grad[1]
-        hp_wgrad = r.wgrad_input is None
-        next_x, next_w = _history_copies(hist_x, hist_w)
-        batch = seq_local = 0
-        saved_x = saved_xw = None
-        out_lead = x.shape[:-1]
-        if shared_fprop is not None:  # gathered once for several consumers; x is the anchor
-            qx, qxw = shared_fprop, shared_wgrad
-            saved_x, saved_xw = (qx, qxw) if need_wgrad else (None, None)
-        elif mode == SEQUENCE:
-            batch, seq_local = _batch_seq(x.shape, seq_dim)
-            out_lead = (*x.shape[:-2], seq_local * world)
-            x2 = x.reshape(-1, x.shape[-1])
-            qx, qxw = _quantize_gather(x2, r, group, world, batch, seq_local, what, need_wgrad and not hp_wgrad, next_x, True)
-            if need_wgrad:
-                # Keep only what wgrad reads: the gathered rowwise payload (transposed there) or the local
-                # columnwise shard (gathered there), or the high-precision shard.
-                saved_x, saved_xw = (x2, None) if hp_wgrad else ((qx, None) if qxw is None else (None, qxw))
-        else:  # replicated input: every rank holds all of x, so quantizing it whole is the single-process quantization
-            x2 = x.reshape(-1, x.shape[-1])
-            x_shared = need_wgrad and r.wgrad_input == r.fprop_input
-            qx = quantize(x2, r.fprop_input, columnwise=x_shared, amax_history=next_x)
-            if need_wgrad:
-                if hp_wgrad:
-                    saved_x = x2
-                elif x_shared:
-                    saved_x = qx.keep_usages(rowwise=False, columnwise=True)
-                else:
-                    saved_x = quantize(x2, r.wgrad_input, rowwise=False, columnwise=True)
-        qw, w_shared, gathered = _weight_operand(weight, r, group, 0, need_dgrad, next_w, what)
-        y = qgemm(qx, False, qw, False, x.dtype)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        saved_w = qw if gathered else qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
-        ctx.save_for_backward(saved_w, saved_x, saved_xw, _current_amaxes(next_x, next_w))
-        # Not saved tensors: backward mutates them (see nn.functional). A gathered weight's history
-        # was rolled by its gather.
-        ctx.histories = (hist_x, None if gathered else hist_w, hist_dy)
-        ctx.args = (r, group, world, mode, shared_fprop is not None, batch, x.shape, x.dtype, w_shared, bias is not None, update)
-        return y.reshape(*out_lead, y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        r, group, world, mode, shared, batch, x_shape, x_dtype, w_shared, has_bias, update = ctx.args
-        saved_w, saved_x, saved_xw, current_amaxes = ctx.saved_tensors
-        hist_dy = _roll_histories(ctx.histories, current_amaxes, update)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        need_wgrad = ctx.needs_input_grad[1]
-        dy_shared = need_wgrad and r.wgrad_grad == r.dgrad_grad
-        # dy is split on N: its amax (and per-row amaxes along N) are reduced over the TP group.
-        qdy = comm.quantize_shard(dy2, r.dgrad_grad, group, 1, columnwise=dy_shared, amax_history=hist_dy)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            qw_t = saved_w if w_shared else comm.quantize_shard(saved_w, r.dgrad_weight, group, 0, rowwise=False, columnwise=True)
-            dx2 = qgemm(qdy, False, qw_t, True, x_dtype)  # a partial sum over the N shards
-            if shared:
-                dx = dx2.reshape(x_shape)
-            elif mode == SEQUENCE:
-                dx = comm.reduce_scatter_seq(dx2, group, world, batch).reshape(x_shape)
-            else:
-                dx = comm.all_reduce_sum(dx2, group).reshape(x_shape)
-        if need_wgrad:
-            w_dtype = saved_w.dtype
-            if r.wgrad_grad is None:
-                x_full = comm.all_gather_seq(saved_x, group, world, batch) if mode == SEQUENCE and not shared else saved_x
-                with torch.autocast(dy2.device.type, enabled=False):
-                    dw = (dy2.t() @ x_full.to(dy2.dtype)).to(w_dtype)
-            else:
-                qdy_t = qdy if dy_shared else comm.quantize_shard(dy2, r.wgrad_grad, group, 1, rowwise=False, columnwise=True)
-                if shared:
-                    qx_t = _wgrad_operand(saved_x, saved_xw)
-                elif mode == SEQUENCE:  # the local columnwise shard quantized in forward, gathered now
-                    qx_t = _wgrad_operand(
-                        saved_x, None if saved_xw is None else comm.all_gather_tokens([saved_xw], group, world, batch)[0]
-                    )
-                else:
-                    qx_t = saved_x
-                dw = qgemm(qdy_t, True, qx_t, True, w_dtype)
-        if has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None, None
-
-
-class _RowwiseLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, x, weight, bias, recipe: Recipe, group, world, mode, seq_dim, what, backward, update, hist_x, hist_w, hist_dy
-    ):
-        r = recipe
-        need_dgrad, need_wgrad = backward and ctx.needs_input_grad[0], backward and ctx.needs_input_grad[1]
-        x2 = x.reshape(-1, x.shape[-1])
-        next_x, next_w = _history_copies(hist_x, hist_w)
-        # x and W are split on K: amaxes and per-row amaxes along K are reduced over the TP group.
-        x_shared = need_wgrad and r.wgrad_input == r.fprop_input
-        qx = comm.quantize_shard(x2, r.fprop_input, group, 1, columnwise=x_shared, amax_history=next_x)
-        if not need_wgrad:
-            saved_x = None
-        elif r.wgrad_input is None:
-            saved_x = x2
-        elif x_shared:
-            saved_x = qx.keep_usages(rowwise=False, columnwise=True)
-        else:
-            saved_x = comm.quantize_shard(x2, r.wgrad_input, group, 1, rowwise=False, columnwise=True)
-        qw, w_shared, gathered = _weight_operand(weight, r, group, 1, need_dgrad, next_w, what)
-        y2 = qgemm(qx, False, qw, False, x.dtype)  # a partial sum over the K shards
-        if mode == SEQUENCE:
-            batch, seq_full = _batch_seq(x.shape, seq_dim)
-            if seq_full % world:
-                raise ValueError(
-                    f"{what}: sequence parallelism splits the sequence (token) dimension over {world} ranks, but the sequence "
-                    f"length {seq_full} is not divisible by the TP degree {world}; use a multiple of {world} (pad the sequence)"
-                )
-            y2 = comm.reduce_scatter_seq(y2, group, world, batch)
-            out_shape = (*x.shape[:-2], seq_full // world, y2.shape[-1])
-        else:
-            batch = 0
-            y2 = comm.all_reduce_sum(y2, group)
-            out_shape = (*x.shape[:-1], y2.shape[-1])
-        if bias is not None:
-            y2 = y2 + bias.to(y2.dtype)
-        saved_w = qw if gathered else qw.keep_usages(rowwise=False, columnwise=True) if w_shared else weight
-        ctx.save_for_backward(saved_w, saved_x, _current_amaxes(next_x, next_w))
-        ctx.histories = (hist_x, None if gathered else hist_w, hist_dy)
-        ctx.args = (r, group, world, mode, batch, x.shape, x.dtype, w_shared, bias is not None, what, update)
-        return y2.reshape(out_shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        r, group, world, mode, batch, x_shape, x_dtype, w_shared, has_bias, what, update = ctx.args
-        saved_w, saved_x, current_amaxes = ctx.saved_tensors
-        hist_dy = _roll_histories(ctx.histories, current_amaxes, update)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        db = None
-        if has_bias and ctx.needs_input_grad[2]:
-            # The bias was added after the reduction: with sequence-sharded outputs each rank sees
-            # part of the tokens, so its bias gradient is summed over the group.
-            db = comm.all_reduce_sum(dy2.sum(0), group) if mode == SEQUENCE else dy2.sum(0)
-        need_wgrad = ctx.needs_input_grad[1]
-        quant_wgrad = need_wgrad and r.wgrad_grad is not None
-        dy_shared = quant_wgrad and r.wgrad_grad == r.dgrad_grad
-        qdy_t = None
-        if mode == SEQUENCE:
-            # dy arrives split along the sequence: quantize the shard (amax over TP) and all-gather
-            # it quantized, both usages in one collective.
-            seq_local = dy.shape[-2]
-            comm.check_shard(r.dgrad_grad, seq_local, world, 0, "rowwise", f"{what} output gradient", tokens=True)
-            qdy = comm.quantize_shard(dy2, r.dgrad_grad, group, 0, amax_history=hist_dy)
-            qts = [qdy]
-            if quant_wgrad and not (dy_shared and comm.transposable(r.dgrad_grad)):
-                comm.check_shard(r.wgrad_grad, seq_local, world, 0, "columnwise", f"{what} output gradient", tokens=True)
-                qts.append(comm.quantize_shard(dy2, r.wgrad_grad, group, 0, rowwise=False, columnwise=True))
-            gathered = comm.all_gather_tokens(qts, group, world, batch)
-            qdy = gathered[0]
-            if quant_wgrad:
-                qdy_t = _wgrad_operand(qdy, gathered[1] if len(gathered) > 1 else None)
-            if need_wgrad and r.wgrad_grad is None:
-                dy2 = comm.all_gather_seq(dy2, group, world, batch)
-        else:
-            # Replicated output: every rank holds all of dy, so it is quantized whole.
-            qdy = quantize(dy2, r.dgrad_grad, columnwise=dy_shared, amax_history=hist_dy)
-            if quant_wgrad:
-                qdy_t = qdy if dy_shared else quantize(dy2, r.wgrad_grad, rowwise=False, columnwise=True)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            qw_t = saved_w if w_shared else comm.quantize_shard(saved_w, r.dgrad_weight, group, 1, rowwise=False, columnwise=True)
-            dx = qgemm(qdy, False, qw_t, True, x_dtype).reshape(x_shape)
-        if need_wgrad:
-            w_dtype = saved_w.dtype
-            if r.wgrad_grad is None:
-                with torch.autocast(dy2.device.type, enabled=False):
-                    dw = (dy2.t() @ saved_x.to(dy2.dtype)).to(w_dtype)
-            else:
-                dw = qgemm(qdy_t, True, saved_x, True, w_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
+    def gathered_error(self, weight, what):
+        # FSDP2 gathered it quantized on a 2-D mesh (`tqcompile.distributed.fsdp_tp`): its amaxes must
+        # have been reduced over the TP group too, or its scales are not the single-process ones.
+        group = weight.amax_group_name
+        return None if group == self.group else (
+            f"{what}: the gathered weight's amaxes were reduced over group {group!r}, not over this layer's TP group "
+            f"{self.group!r}; its scales would not be the single-process ones"
+        )
 
 
 class _AnchorGrad(torch.autograd.Function):
@@ -380,37 +229,38 @@ class _AnchorGrad(torch.autograd.Function):
 
 def gather_input(x: torch.Tensor, recipe: Recipe, group: str, world: int, seq_dim: int, what: str) -> SequenceGatheredInput:
     """Quantize a sequence-sharded activation once and all-gather it quantized, for several consumers."""
-    batch, seq_local = _batch_seq(x.shape, seq_dim)
-    full_shape = (*x.shape[:-2], seq_local * world, x.shape[-1])
-    need_wgrad = torch.is_grad_enabled()
-    qx, qxw = _quantize_gather(
-        x.detach().reshape(-1, x.shape[-1]), recipe, group, world, batch, seq_local, what, need_wgrad, None, False
-    )
+    source = SequenceShard(group=group, world=world, seq_dim=seq_dim, what=what)
+    batch, full_shape = source.batch(x.shape), (*source.gathered_lead(x.shape), x.shape[-1])
+    x2, r, grad = x.detach().reshape(-1, x.shape[-1]), recipe, torch.is_grad_enabled()
+    qx, qxw = source.operands(x2, r.fprop_input, r.wgrad_input, row=True, col=grad, amax_history=None, batch=batch, what=f"{what} input")
     anchor = (
-        _AnchorGrad.apply(x, full_shape, group, world, batch)
-        if x.requires_grad and torch.is_grad_enabled()
-        else x.new_zeros(()).expand(full_shape)
+        _AnchorGrad.apply(x, full_shape, group, world, batch) if x.requires_grad and grad else x.new_zeros(()).expand(full_shape)
     )
     return SequenceGatheredInput(anchor, qx, qxw)
 
 
+def _apply(x, weight, bias, recipe, sources, what: str, histories, update_histories: bool, given=(None, None)):
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    args = LinearFwdArgs(recipe, *sources, backward=backward, update_histories=update_histories, what=what)
+    return apply_linear(x, weight, bias, args, histories, given)
+
+
+def _whole_side(mode: str, group: str, world: int, seq_dim: int, what: str) -> ActivationSource:
+    """The side of the layer that TP does not split on the features: replicated, or sequence-sharded."""
+    return SequenceShard(group=group, world=world, seq_dim=seq_dim, what=what) if mode == SEQUENCE else Replicated(group=group)
+
+
 def colwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories, update_histories=True) -> torch.Tensor:
     """y = x @ W.T + b with W (and b) sharded on the output features (see the module docstring)."""
-    hist = histories or (None, None, None)
-    if isinstance(x, SequenceGatheredInput):
-        if x.fprop.quantizer != recipe.fprop_input:
-            raise ValueError(
-                f"{what}: the shared gathered input was quantized with {x.fprop.quantizer!r}, but this layer's recipe {recipe.name!r} wants {recipe.fprop_input!r}"
-            )
-        anchor = x.anchor
-        backward = torch.is_grad_enabled() and (anchor.requires_grad or weight.requires_grad)
-        return _ColwiseLinear.apply(
-            anchor, weight, bias, x.fprop, x.wgrad, recipe, group, world, mode, seq_dim, what, backward, update_histories, *hist
+    weight_, output = WeightShard(group=group, split_dim=0), FeatureShard(group=group)
+    if not isinstance(x, SequenceGatheredInput):
+        sources = (_whole_side(mode, group, world, seq_dim, what), weight_, output)
+        return _apply(x, weight, bias, recipe, sources, what, histories, update_histories)
+    if x.fprop.quantizer != recipe.fprop_input:
+        raise ValueError(
+            f"{what}: the shared gathered input was quantized with {x.fprop.quantizer!r}, but this layer's recipe {recipe.name!r} wants {recipe.fprop_input!r}"
         )
-    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _ColwiseLinear.apply(
-        x, weight, bias, None, None, recipe, group, world, mode, seq_dim, what, backward, update_histories, *hist
-    )
+    return _apply(x.anchor, weight, bias, recipe, (SharedGather(), weight_, output), what, histories, update_histories, (x.fprop, x.wgrad))
 
 
 def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, histories, update_histories=True) -> torch.Tensor:
@@ -419,6 +269,5 @@ def rowwise_linear(x, weight, bias, recipe, group, world, mode, seq_dim, what, h
         raise TypeError(
             f"{what}: a shared gathered input (QuantizedSequenceParallelInput) feeds ColwiseParallel layers only, not RowwiseParallel"
         )
-    hist = histories or (None, None, None)
-    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _RowwiseLinear.apply(x, weight, bias, recipe, group, world, mode, seq_dim, what, backward, update_histories, *hist)
+    sources = (FeatureShard(group=group), WeightShard(group=group, split_dim=1), _whole_side(mode, group, world, seq_dim, what))
+    return _apply(x, weight, bias, recipe, sources, what, histories, update_histories)

@@ -193,7 +193,7 @@ def _e8m0_decode(code: torch.Tensor) -> torch.Tensor:
 def _prepare(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
     # Contiguous fp32: payloads and scales come out contiguous whatever the input strides.
     xf = x.float().contiguous()
-    if isinstance(q, NVFP4Quantizer) and q.hadamard:
+    if q.hadamard_transformed():
         xf = _hadamard(xf, q.hadamard_seed)
     return xf
 

@@ -1,6 +1,7 @@
 """Quantized modules and model conversion."""
 
-from tqcompile.nn.convert import ConversionWarning, PlannedConversion, conversion_plan, convert, register_converter
+from tqcompile.nn.base import QuantizedModule, is_converted
+from tqcompile.nn.convert import ConversionWarning, PlannedConversion, conversion_plan, register_converter
 from tqcompile.nn.functional import linear, qgemm
 from tqcompile.nn.grouped import GroupedLinear, grouped_linear
 from tqcompile.nn.linear import Linear
@@ -11,7 +12,8 @@ __all__ = [
     "linear",
     "grouped_linear",
     "qgemm",
-    "convert",
+    "QuantizedModule",
+    "is_converted",
     "conversion_plan",
     "register_converter",
     "ConversionWarning",

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.functional import linear
 from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.ops.errors import raise_error, shape_str
@@ -186,7 +187,7 @@ def _mha_forward(mha, query, key, value, key_padding_mask, need_weights, attn_ma
     return out, weights
 
 
-class QuantizedMultiheadAttention(_AmaxHistoryOwner, nn.MultiheadAttention):
+class QuantizedMultiheadAttention(QuantizedModule, _AmaxHistoryOwner, nn.MultiheadAttention):
     """`nn.MultiheadAttention` whose in-projection GEMMs run quantized as `recipe` says, and whose
     out-projection calls `out_proj` (quantized too when `tq.convert` converted it).
 
@@ -197,8 +198,6 @@ class QuantizedMultiheadAttention(_AmaxHistoryOwner, nn.MultiheadAttention):
     the same tensor) with a packed `in_proj_weight` is one GEMM; otherwise one per projection.
     """
 
-    _tq_converted = True
-    recipe: Recipe
     amax_group_name: str | None
 
     def _init_quantized(self, recipe: Recipe) -> None:
@@ -249,16 +248,13 @@ class QuantizedMultiheadAttention(_AmaxHistoryOwner, nn.MultiheadAttention):
         return f"recipe={self.recipe.name}"
 
 
-class QuantizedTransformerEncoderLayer(nn.TransformerEncoderLayer):
+class QuantizedTransformerEncoderLayer(QuantizedModule, nn.TransformerEncoderLayer):
     """`nn.TransformerEncoderLayer` without its inference fast path, so that its converted
     `self_attn`, `linear1` and `linear2` run (quantized) in `eval()` under `no_grad` too.
 
     Made by `tq.convert` (in place, same parameters and `state_dict` keys). The forward is the
     layer's own non-fast path: `_sa_block` and `_ff_block` with pre- or post-norm residuals.
     """
-
-    _tq_converted = True
-    recipe: Recipe
 
     def forward(
         self,

@@ -1,4 +1,6 @@
-"""`tq.convert`: swap a model's layers for quantized ones, in place, through a registry.
+"""The layer half of `tq.convert` (`convert_layers`): swap a model's layers for quantized ones, in
+place, through a registry. (`tq.convert` itself, in `tqcompile.conversion`, then sets up FSDP2's
+quantized all-gather of the converted weights.)
 
 A module is converted by the registered converter of the first class in its MRO that has one,
 so subclasses of `nn.Linear` match too. A subclass is converted by giving the module a new class
@@ -27,12 +29,12 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from tqcompile.distributed import fsdp as distributed_fsdp
 from tqcompile.nn.attention import QuantizedMultiheadAttention, QuantizedTransformerEncoderLayer, mha_unsupported_reason
-from tqcompile.nn.linear import Linear, _Quantized
+from tqcompile.nn.base import is_converted
+from tqcompile.nn.linear import Linear
 from tqcompile.recipes import Recipe
 
-__all__ = ["convert", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]
+__all__ = ["convert_layers", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]
 
 Converter = Callable[[nn.Module, Recipe], None]
 ReasonFn = Callable[[nn.Module, Recipe], "str | None"]
@@ -96,10 +98,6 @@ def _entry_for(module: nn.Module) -> _Entry | None:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
     return None
-
-
-def _is_converted(module: nn.Module) -> bool:
-    return isinstance(module, _Quantized) or getattr(type(module), "_tq_converted", False)
 
 
 def _new_converted(cls: type, quantized_cls: type, *args):
@@ -199,15 +197,6 @@ def _child_name(parent: str, child: str) -> str:
     return f"{parent}.{child}" if parent else child
 
 
-def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
-    """id(parameter) -> every (name, owning module) under which `model` holds it (several for tied weights)."""
-    owners: dict[int, list[tuple[str, nn.Module]]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for p_name, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append((_child_name(mod_name, p_name), module))
-    return owners
-
-
 def _check_not_sharded(modules: dict[str, nn.Module], plan: list[PlannedConversion]) -> None:
     """Refuse, before changing anything, layers whose parameters fully_shard or parallelize_module already made DTensors.
 
@@ -238,7 +227,7 @@ def conversion_plan(
     modules = dict(model.named_modules())
     plan: dict[str, PlannedConversion] = {}
     for name, module in modules.items():
-        if _is_converted(module):
+        if is_converted(module):
             if module.recipe != recipe:
                 raise ValueError(
                     f"tq.convert: layer {name!r} is already converted with recipe {module.recipe.name!r}; "
@@ -276,27 +265,18 @@ def conversion_plan(
     return [plan[name] for name in modules if name in plan]
 
 
-def convert(
-    model: nn.Module,
-    recipe: Recipe,
-    *,
-    filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    fsdp_quantized_all_gather: bool | None = None,
-) -> nn.Module:
-    """Convert, in place, every layer of `model` that has a registered converter and passes
-    `filter_fn(module, fqn)`, and return `model`.
+def convert_layers(
+    model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
+) -> list[PlannedConversion]:
+    """The layer part of `tq.convert`: convert, in place, every layer of `model` that has a
+    registered converter and passes `filter_fn(module, fqn)`, and return what was done to each
+    (`conversion_plan`'s rows). `tq.convert` then sets up FSDP2's quantized all-gather of the
+    converted weights (`tqcompile.distributed`, which sits above this package).
 
     Layers whose shapes `recipe` cannot serve (or that override forward without declaring
     Linear semantics) are left alone and reported in one `ConversionWarning`, as are layers whose
     parent reads their weight directly and is not converted itself (see the module docstring).
     Converting again with the same recipe changes nothing; with another recipe it raises.
-
-    `fsdp_quantized_all_gather`: make the converted weights `tq.distributed.QuantizedWeight`s, which
-    FSDP2's `fully_shard` all-gathers quantized (docs/distributed.md). None (default): when a
-    default process group is initialized; False: never (weights are gathered in high precision).
-
-    Example:
-        >>> model = tq.convert(model, tq.recipes.mxfp8(), filter_fn=lambda m, fqn: "lm_head" not in fqn)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"tq.convert: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -312,31 +292,11 @@ def convert(
         # nn.TransformerEncoder packs a padded batch into a nested tensor in inference; converted
         # layers take the padded batch and its key padding mask instead.
         if isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False):
-            if any(_is_converted(m) for m in module.layers.modules()):
+            if any(is_converted(m) for m in module.layers.modules()):
                 module.use_nested_tensor = False
-    if fsdp_quantized_all_gather is None:
-        fsdp_quantized_all_gather = distributed_fsdp._is_initialized()
-    if fsdp_quantized_all_gather:
-        owners = _parameter_owners(model)
-        for p in plan:
-            if p.action != "convert":
-                continue
-            layer = modules[p.name]
-            others = sorted({n for n, m in owners.get(id(getattr(layer, "weight", None)), []) if m is not layer})
-            if others:
-                # A QuantizedWeight is a new Parameter: wrapping a tied weight would untie it (the
-                # embedding would keep training its own copy), and the other owner could not read a
-                # quantized gather anyway. FSDP2 gathers it in high precision; the GEMMs still quantize.
-                warnings.warn(
-                    f"tq.convert: layer {p.name!r}: its weight is shared with {', '.join(others)} (tied weights); "
-                    "FSDP2 all-gathers it in high precision so that it stays tied (its GEMMs still run quantized)",
-                    distributed_fsdp.QuantizedAllGatherWarning,
-                    stacklevel=2,
-                )
-                continue
-            distributed_fsdp.enable_quantized_all_gather(modules[p.name], p.name)
     skipped = [p for p in plan if p.action == "skip"]
     if skipped:
         lines = "\n".join(f"  {p.name or '<root>'} ({p.module_type}): {p.reason}" for p in skipped)
-        warnings.warn(f"tq.convert left {len(skipped)} layer(s) in high precision:\n{lines}", ConversionWarning, stacklevel=2)
-    return model
+        # stacklevel 3: the caller of tq.convert.
+        warnings.warn(f"tq.convert left {len(skipped)} layer(s) in high precision:\n{lines}", ConversionWarning, stacklevel=3)
+    return plan

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tqcompile.api import SUPPORTED_DTYPES
-from tqcompile.distributed.groups import all_reduce_amax
+from tqcompile.groups import all_reduce_amax
 from tqcompile.nn.functional import linear
 from tqcompile.nn.linear import _check_recipe, _Quantized
 from tqcompile.ops import grouped_gemm as gops
@@ -75,10 +75,6 @@ class _Grouped:
         return self.data, self.scale_inv, self.amax if isinstance(self.quantizer, NVFP4Quantizer) else None, self.quantizer
 
 
-def _transformed(q: Quantizer) -> bool:
-    return getattr(q, "hadamard", False)
-
-
 def _quantize_grouped(
     x: torch.Tensor, q: Quantizer, ends: torch.Tensor, *, columnwise: bool, amax_group: str | None, like: _Grouped | None = None
 ) -> _Grouped:
@@ -86,7 +82,7 @@ def _quantize_grouped(
     per-expert amax when neither quantizer transforms (the amax is then the same)."""
     amax = None
     if q.uses_tensor_amax():
-        if like is not None and like.amax is not None and not (_transformed(q) or _transformed(like.quantizer)):
+        if like is not None and like.amax is not None and not (q.hadamard_transformed() or like.quantizer.hadamard_transformed()):
             amax = like.amax
         else:
             amax = gops.grouped_amax(x, q, ends, columnwise)

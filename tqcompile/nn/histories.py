@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from tqcompile.nn.base import is_converted
+
 __all__: list[str] = []  # used by tqcompile.nn's modules; nothing public
 
 HISTORY_PREFIX = "amax_history_"
@@ -63,7 +65,7 @@ class _AmaxHistoryOwner:
             # (`load_state_dict` hands each module its own copy of the dict: adding keys is safe.)
             for name, key in zip(names, keys):
                 state_dict[key] = torch.zeros_like(self._buffers[name], device="cpu" if self._buffers[name].is_meta else None)
-        recipe = getattr(self, "recipe", None)
+        recipe = self.recipe if is_converted(self) else None
         for name, key in zip(names, keys):
             value, expected = state_dict.get(key), tuple(self._buffers[name].shape)
             if not isinstance(value, torch.Tensor):

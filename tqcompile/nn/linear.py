@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tqcompile.distributed.groups import group_name_of
+from tqcompile.groups import group_name_of
+from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.functional import linear
 from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
@@ -24,9 +25,9 @@ def _check_recipe(recipe: Recipe, in_features: int, out_features: int, what: str
         raise ValueError(f"{what}: recipe {recipe.name!r} cannot serve in_features={in_features}, out_features={out_features}: {reason}")
 
 
-class _Quantized(_AmaxHistoryOwner):
-    """What every quantized linear module has: a recipe, an amax group, delayed-scaling histories
-    (fp32, initialised, persistent: see `tqcompile.nn.histories`)."""
+class _Quantized(QuantizedModule, _AmaxHistoryOwner):
+    """What every quantized linear module (`Linear`, `GroupedLinear`) has: a recipe, an amax group,
+    delayed-scaling histories (fp32, initialised, persistent: see `tqcompile.nn.histories`)."""
 
     recipe: Recipe
     amax_group_name: str | None
@@ -97,12 +98,3 @@ def _refuse_dtensor_weight(layer: Linear) -> None:
         "if fully_shard did, call the layer through the module fully_shard was applied to, which gathers the weight first"
     )
 
-
-def __getattr__(name: str):
-    # GroupedLinear moved to tqcompile.nn.grouped (which imports this module); the old import path
-    # `from tqcompile.nn.linear import GroupedLinear` keeps working through this lazy lookup.
-    if name in ("GroupedLinear", "grouped_unsupported_reason"):
-        from tqcompile.nn import grouped
-
-        return getattr(grouped, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

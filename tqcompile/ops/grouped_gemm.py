@@ -164,7 +164,7 @@ def grouped_amax(x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, colu
     no tokens). A scatter_reduce over token -> expert ids: static shapes."""
     _check_ends(ends, x.shape[0], "grouped_amax")
     num_experts = ends.numel()
-    if columnwise and getattr(quantizer, "hadamard", False):
+    if columnwise and quantizer.hadamard_transformed():
         # The transform mixes tokens within a block: take the amax in the padded layout.
         multiple = token_multiple(quantizer)
         a = _finite_abs(_prepare(_columnwise_layout(x, ends, multiple), quantizer))

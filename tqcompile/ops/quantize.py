@@ -8,6 +8,7 @@ the GEMM ops that call them.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -80,12 +81,23 @@ def _dequantize_fake(data, scale_inv, amax, quantizer, dtype):
 
 
 # --- CUDA kernels: Triton (tqcompile.kernels.triton), bit-exact with the reference -------------
+# Triton is the `cuda` extra, not a dependency (CPU-only installs skip its ~1 GB): without it a
+# CUDA quantize falls back to the reference kernel, whose numerics are the same, and says so.
+_TRITON_MISSING = (
+    "tqcompile: Triton cannot be imported ({error}), so quantize on CUDA runs the plain-torch reference "
+    'kernels (same numerics, slower). Install the CUDA extra for the Triton kernels: pip install "tqcompile[cuda]"'
+)
+
+
 @quantize.register_kernel("cuda")
 def _quantize_cuda(x, quantizer, amax, seed, flat_scale=False):
     try:
         # Imported on the first CUDA call only: CPU-only use never imports Triton.
         from tqcompile.kernels.triton import quantize as triton_quantize
-    except ImportError:  # no Triton on this platform
+    except ImportError as e:
+        # stacklevel=1: the warning's location is this line, so Python's default filter shows it once
+        # per process, not once per call.
+        warnings.warn(_TRITON_MISSING.format(error=f"{type(e).__name__}: {e}"), UserWarning, stacklevel=1)
         return _flat(reference.quantize(x, quantizer, amax, seed), flat_scale)
     if triton_quantize.supports(x, quantizer, amax, seed):
         return _flat(triton_quantize.quantize(x, quantizer, amax, seed), flat_scale)

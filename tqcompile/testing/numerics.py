@@ -191,7 +191,7 @@ def _finite_abs(x: torch.Tensor) -> torch.Tensor:
 def _transformed(q: Quantizer, x: torch.Tensor) -> torch.Tensor:
     """fp32 `x` after the quantizer's transform (NVFP4 Hadamard), computed as the kernels do."""
     xf = x.float().contiguous()
-    if isinstance(q, NVFP4Quantizer) and q.hadamard:
+    if q.hadamard_transformed():
         xf = (xf.unflatten(-1, (xf.shape[-1] // 16, 16)) @ hadamard_matrix(q.hadamard_seed, xf.device)).flatten(-2)
     return xf
 
@@ -376,7 +376,7 @@ def error_bound(quantizer: Quantizer, x: torch.Tensor, amax: torch.Tensor | None
     _check_amax(quantizer, amax)
     xf = _transformed(quantizer, x)
     bound = _untransformed_bound(quantizer, xf, amax)
-    if not (isinstance(quantizer, NVFP4Quantizer) and quantizer.hadamard):
+    if not quantizer.hadamard_transformed():
         return bound
     # y = y' @ Mᵀ with |M_ij| = 1/4: the transformed-domain errors add up with weight 1/4; the
     # forward and inverse 16-term fp32 products add at most gamma16 = 16u/(1-16u) of the

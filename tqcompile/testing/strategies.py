@@ -197,7 +197,7 @@ def _units(quantizer: Quantizer) -> tuple[int, int, int]:
     last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
     if quantizer.element_format().bits == 4:
         last = math.lcm(last, 2)
-    if isinstance(quantizer, NVFP4Quantizer) and quantizer.hadamard:
+    if quantizer.hadamard_transformed():
         last = math.lcm(last, 16)
     second = block if gran is Granularity.BLOCKWISE_2D else 1
     ndim = {Granularity.BLOCKWISE_1D: 1, Granularity.BLOCKWISE_2D: 2}.get(gran, 1)
@@ -257,7 +257,7 @@ def largest_magnitude(dtype: torch.dtype, quantizer: Quantizer | None = None) ->
     """The largest finite magnitude the strategies generate for `dtype` inputs to `quantizer`
     (see the module docstring for why it is below the dtype's max)."""
     huge = torch.finfo(dtype).max / 2
-    if isinstance(quantizer, NVFP4Quantizer) and quantizer.hadamard:
+    if quantizer.hadamard_transformed():
         huge = min(huge, torch.finfo(torch.float32).max / 64)
     return huge
 
