@@ -1,6 +1,6 @@
 """Bytes all-gathered per training step and step time, per recipe and parallel layout, against bf16.
 
-Trains the demo GPT (`tqcompile.demo_sharded`: blocks compiled with fullgraph=True, then
+Trains the demo GPT (`tqcompile.demo.sharded`: blocks compiled with fullgraph=True, then
 `fully_shard`; TP with sequence parallelism) for a few steps in each layout and prints, per
 recipe, what rank 0 all-gathered in one step (FSDP2 weights forward + backward, TP activations),
 counted at the collective by `tq.testing.comm.count_collective_bytes`, and the median step time
@@ -25,12 +25,11 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 import tqcompile as tq
-from tqcompile.demo import DEFAULT_RECIPES, DemoConfig, _fmt_table
-from tqcompile.demo_sharded import ShardedRunResult, run_sharded_demo
-from tqcompile.distributed.launch import process_group, spawn, under_torchrun
+from tqcompile.demo import DEFAULT_RECIPES, DemoConfig
+from tqcompile.demo.report import _fmt_table
+from tqcompile.demo.sharded import ShardedRunResult, run, under_torchrun
 
 LAYOUTS = {"FSDP2=2": (2, 1), "TP=2": (1, 2), "TP2xFSDP2=4": (2, 2)}
 
@@ -63,12 +62,6 @@ def _rows(layout: str, results: list[ShardedRunResult]) -> list[tuple[str, ...]]
     return rows
 
 
-def _worker(rank: int, world_size: int, recipes: list[str], cfg: DemoConfig, fsdp: int, tp: int, out) -> None:
-    results = run_sharded_demo(recipes, cfg, fsdp, tp)
-    if rank == 0:
-        out.put(results)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -89,12 +82,9 @@ def main() -> None:
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         fsdp, tp = world // args.tp, args.tp
-        with process_group("nccl" if args.device == "cuda" else "gloo"):
-            if args.device == "cuda":
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            results = run_sharded_demo(recipes, cfg, fsdp, tp)
-            if dist.get_rank() != 0:
-                return
+        results = run(recipes, cfg, fsdp, tp)
+        if results is None:  # not rank 0
+            return
         rows += _rows(f"FSDP2={fsdp} TP={tp}", results)
     else:
         torch.set_num_threads(1)
@@ -103,9 +93,7 @@ def main() -> None:
                 parser.error(f"--layouts: {layout!r}; allowed: {', '.join(LAYOUTS)}")
             fsdp, tp = LAYOUTS[layout]
             print(f"{layout}: bf16 + {', '.join(recipes)}, {cfg.steps} steps each ...", file=sys.stderr, flush=True)
-            out = torch.multiprocessing.get_context("spawn").SimpleQueue()
-            spawn(_worker, fsdp * tp, (recipes, cfg, fsdp, tp, out), timeout_s=3600)
-            rows += _rows(layout, out.get())
+            rows += _rows(layout, run(recipes, cfg, fsdp, tp, threads=1))
     print(
         f"torch {torch.__version__}, {args.device}, backend {backend}, demo GPT {cfg.batch_size}x{cfg.seq_len} tokens/step, {cfg.steps} steps"
     )

@@ -4,11 +4,10 @@ A token-choice MoE trained for 8 steps: each step routes the same number of toke
 random top-1 choice (two steps leave an expert with no tokens), counts them per expert on the
 device (an int64 tensor, never a Python list) and passes the counts as `m_splits`. Zero graph
 breaks, one graph, no recompile, and every step's loss and gradients equal the same step run
-eagerly, bit for bit (aot_eager). A changing token count recompiles once. Then `amax_group` over two gloo ranks: per-expert amaxes reduced
-over the group, compiled.
+eagerly, bit for bit (aot_eager). A changing token count recompiles once. (`amax_group` over two
+gloo ranks, per-expert amaxes reduced over the group: tests/distributed/test_amax_group_gloo.py.)
 
-Cost on a 2-core CPU: one aot_eager compile per recipe (forward and backward) of a 2-layer MoE,
-and one spawn of two ranks that each compile two forward-only layers.
+Cost on a 2-core CPU: one aot_eager compile per recipe (forward and backward) of a 2-layer MoE.
 """
 
 from __future__ import annotations
@@ -17,12 +16,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import tqcompile as tq
-from tqcompile.testing import run_ranks
 from tqcompile.testing.compile import CompileCounter
 
 E, D, H, T = 4, 64, 128, 96
@@ -110,64 +107,3 @@ def test_changing_token_count_recompiles_once():
         y.sum().backward()
         assert torch.equal(y.detach(), layer(x.detach(), counts)), f"T={t}"
     assert counter.graph_breaks == 0 and counter.frame_count == 2 and counter.recompiles == 1, counter
-
-
-# --- amax_group: per-expert amaxes all-reduced over the group, two gloo ranks ------------------
-WORLD_SIZE = 2
-
-
-def _rank_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(200 + rank)
-    counts = torch.tensor([16, 0, 48, 32]) if rank == 0 else torch.tensor([32, 16, 0, 48])
-    # Rank 1's tokens are larger, so every expert it serves has a larger amax there.
-    return torch.randn(int(counts.sum()), D, generator=g) * (1.0 + 3.0 * rank), counts
-
-
-def _rank_checks(rank: int, out_dir: str) -> None:
-    from tqcompile.ops import grouped_gemm as gops
-
-    group = dist.group.WORLD
-    x, counts = _rank_data(rank)
-    results = {}
-    for name in ("fp8_tensorwise", "nvfp4"):
-        torch.manual_seed(0)
-        layer = tq.nn.GroupedLinear(E, D, H, recipe=tq.recipes.get(name), amax_group=group)
-        counter = CompileCounter("aot_eager")
-        compiled = torch.compile(layer, backend=counter, fullgraph=True)
-        y = compiled(x, counts)
-        assert counter.graph_breaks == 0 and counter.frame_count == 1, counter
-        # The same GEMM with the amax reduced by hand: what the layer must have used.
-        q = layer.recipe.fprop_input
-        ends = counts.cumsum(0)
-        local = gops.grouped_amax(x, q, ends, False)
-        reduced = local.clone()
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-        qx = gops.grouped_quantize(x, q, ends, reduced, None, False)
-        w = layer.weight.detach().reshape(E * H, D)
-        w_ends = torch.arange(1, E + 1) * H
-        w_amax = gops.grouped_amax(w, layer.recipe.fprop_weight, w_ends, False)
-        qw = gops.grouped_quantize(w, layer.recipe.fprop_weight, w_ends, w_amax, None, False)
-        amax_or_none = reduced if name == "nvfp4" else None
-        w_amax_or_none = w_amax if name == "nvfp4" else None
-        expected = gops.grouped_gemm_tn(
-            *qx, amax_or_none, q, *qw, w_amax_or_none, layer.recipe.fprop_weight, ends, False, x.dtype
-        )
-        assert torch.equal(y, expected), f"{name}: y differs from the GEMM with the group-reduced amax"
-        results[name] = {"local": local, "reduced": reduced}
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
-
-
-
-
-def test_amax_group_reduces_per_expert_amaxes(tmp_path):
-    """With `amax_group`, each expert's activation amax is the max over the ranks of that expert's
-    tokens (an (E,) MAX all-reduce, traced under fullgraph=True), and the layer's output is the
-    grouped GEMM quantized with it, bit for bit."""
-    ranks = run_ranks(_rank_checks, WORLD_SIZE, tmp_path)
-    for name in ("fp8_tensorwise", "nvfp4"):
-        local = [r[name]["local"] for r in ranks]
-        want = torch.maximum(*local)
-        for r in ranks:
-            assert torch.equal(r[name]["reduced"], want)
-        # Every expert with tokens on rank 0 gets a larger amax from rank 1 (experts 0 and 3).
-        assert (want[[0, 3]] > local[0][[0, 3]]).all() and local[0][1] == 0 and want[1] > 0

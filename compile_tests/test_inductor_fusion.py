@@ -62,6 +62,36 @@ def test_inductor_decomposes_fusable_quantizers(name: str, decomposed: bool) -> 
             assert f"torch.ops.tqcompile.{op}." in code, f"{name}: expected the opaque {op} kernel"
 
 
+@pytest.mark.slow
+def test_decomposed_after_another_inductor_compile() -> None:
+    """The decompositions reach inductor even where something else was compiled with inductor
+    before the first `tqcompile` op was traced: inductor caches its decomposition table at its
+    first compile of a process (a benchmark compiling an unquantized model or torchao's first kept
+    every `tqcompile` op opaque, its step 1.6x slower). The registration is undone first, so this test
+    sees that order whatever ran before it in the process."""
+    from torch._inductor import decomposition
+
+    from tqcompile.ops.inductor import register_inductor_decompositions
+
+    ops = torch.ops.tqcompile
+    for op in (ops.amax, ops.quantize, ops.dequantize, ops.gemm_tn):
+        decomposition.decompositions.pop(op.default, None)
+    register_inductor_decompositions.cache_clear()
+    decomposition.fast_random_decomps.cache_clear()
+    torch.compiler.reset()
+    plain = torch.compile(lambda x: torch.relu(x) * 2.0, fullgraph=True, backend="inductor")
+    plain(torch.randn(8, 8))
+    assert torch.ops.tqcompile.amax.default not in decomposition.select_decomp_table()
+
+    fwd, run = _linear_step(tq.recipes.get("fp8_tensorwise"))
+    eager = run(fwd)
+    compiled, codes = run_and_get_code(run, torch.compile(fwd, fullgraph=True, backend="inductor"))
+    assert_bitwise_equal(compiled, eager)
+    code = "\n".join(codes)
+    called = [op for op in ("amax", "quantize", "dequantize", "gemm_tn") if f"torch.ops.tqcompile.{op}." in code]
+    assert not called, f"inductor left {called} opaque after an earlier inductor compile"
+
+
 def test_aot_eager_keeps_the_ops_opaque() -> None:
     """The decompositions are inductor's alone: AOTAutograd with aot_eager records the op nodes."""
     from tqcompile.testing.compile import AotGraphRecorder, CompileCounter, graph_code

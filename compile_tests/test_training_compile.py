@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tqcompile as tq
-from tqcompile.models.gpt import GPT, GPTConfig, quantize_model
+from tqcompile.demo.model import GPT, GPTConfig, quantize_model
 from tqcompile.testing.compile import CompileCounter
 
 TINY = GPTConfig(n_layer=1, d_model=128, n_head=4, mlp_hidden=512, seq_len=128)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -13,8 +14,7 @@ import torch
 
 import tqcompile as tq
 from tqcompile.cli import build_parser, main
-from tqcompile.demo import DemoConfig, RunResult, ema, final_window, format_table, plot_losses
-from tqcompile.models.gpt import GPT, GPTConfig, quantize_model
+from tqcompile.demo import GPT, DemoConfig, GPTConfig, RunResult, ema, final_window, format_table, plot_losses, quantize_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +47,16 @@ def test_demo_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"torch {torch.__version__}" in out and "device: cpu" in out
     # Progress goes to stderr, one line for the first and one for the last step of each run.
     assert "[      fp8_tensorwise] step    0/3" in err and "step    2/3" in err, err
+    # ... said before the silent compile, with the unit of each time, the compiling step apart.
+    lines = err.splitlines()
+    compiling = lines.index(
+        "[      fp8_tensorwise] compiling (the first step compiles forward, backward and the optimizer step) ..."
+    )
+    assert lines[compiling + 1].startswith("[      fp8_tensorwise] step    0/3  loss "), err
+    assert re.search(r"step    0/3  loss \d\.\d{4}  compile \+ step +\d+\.\d s$", lines[compiling + 1]), err
+    assert re.search(r"^\[      fp8_tensorwise\] step    2/3  loss \d\.\d{4}  step time +\d+\.\d ms$", err, re.M), err
+    # The dense model has no router: the table does not say one stays in bf16.
+    assert "(lm_head stays bf16 autocast)" in out and "router" not in out, out
 
 
 def test_unknown_recipe_names_the_allowed_ones(capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,6 +104,31 @@ def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[s
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"tqcompile {tq.__version__}"
+
+
+def test_short_version_flag_is_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse users expect -V for --version (python -V, pip -V); it printed a usage error.
+    with pytest.raises(SystemExit) as exc:
+        main(["-V"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tqcompile {tq.__version__}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_help_lists_the_recipes(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in tq.recipes.RECIPES:
+        assert name in text, f"{name} missing from:\n{text}"
+
+
+def test_the_table_names_the_router_only_for_a_moe_model() -> None:
+    runs = [RunResult("bf16", losses=[3.0, 2.0], step_times_s=[5.0, 0.1])]
+    assert "(lm_head and router stay bf16 autocast)" in format_table(runs, DemoConfig(steps=2, n_experts=4))
+    dense = format_table(runs, DemoConfig(steps=2))
+    assert "(lm_head stays bf16 autocast)" in dense and "router" not in dense, dense
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -175,3 +210,8 @@ def test_plot_writes_a_png_with_the_gap_and_the_step_times(tmp_path, monkeypatch
     # Median ms after the first step: wall time, then CPU time (the work, whatever else the machine runs).
     assert [round(p.get_height()) for p in ax_time.patches] == [40, 110, 30, 100]
     assert "3.3x" in [t.get_text().split("\n")[-1] for t in ax_time.texts]  # mxfp8 / bf16, by CPU time
+    # The picture says what "3.3x" is, and draws nothing outside its axes: faint raw-gap lines ran off the gap panel.
+    assert ax_time.get_xlabel() == "bar labels: median ms; N.Nx = CPU time / bf16's"
+    low, high = ax_gap.get_ylim()
+    for line in ax_gap.get_lines():
+        assert all(low <= y <= high for y in line.get_ydata()), (line.get_label(), line.get_ydata(), (low, high))

@@ -29,7 +29,7 @@ import torch
 
 import tqcompile as tq
 from tqcompile.demo import DemoConfig, RunResult, batch_offsets, load_corpus, train
-from tqcompile.models.gpt import GPT
+from tqcompile.demo.model import GPT
 
 
 @pytest.fixture(autouse=True, scope="module")

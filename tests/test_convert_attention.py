@@ -15,7 +15,7 @@ from torch import nn
 
 import tqcompile as tq
 from tqcompile.nn.attention import _mha_forward
-from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
+from tqcompile.testing.compile import assert_bitwise_equal
 from tqcompile.testing.numerics import sqnr
 
 RECIPE = tq.recipes.fp8_tensorwise()
@@ -169,39 +169,6 @@ def test_mha_with_delayed_scaling_keeps_fp32_histories_per_projection():
     assert out.dtype == torch.bfloat16
 
 
-def test_compiled_mha_and_encoder_layer_equal_eager_without_graph_breaks():
-    torch.manual_seed(0)
-    mha = tq.convert(nn.MultiheadAttention(E, H, kdim=40, vdim=40, add_bias_kv=True, batch_first=True), RECIPE)
-    layer = tq.convert(nn.TransformerEncoderLayer(E, H, 128, dropout=0.0, batch_first=True), RECIPE)
-    q, kv = torch.randn(2, 16, E, requires_grad=True), torch.randn(2, 24, 40)
-    kpm = torch.zeros(2, 24, dtype=torch.bool)
-    kpm[1, -4:] = True
-    src = torch.randn(2, 16, E, requires_grad=True)
-    mask = nn.Transformer.generate_square_subsequent_mask(16)
-
-    def step(mha, layer):
-        out, weights = mha(q, kv, kv, key_padding_mask=kpm)
-        y = layer(src, src_mask=mask, is_causal=True)
-        (out.square().mean() + weights.sum() + y.square().mean()).backward()
-        return out, weights, y
-
-    counter = CompileCounter("aot_eager")
-    compiled = step(torch.compile(mha, backend=counter, fullgraph=True), torch.compile(layer, backend=counter, fullgraph=True))
-    grads = [p.grad.clone() for p in (*mha.parameters(), *layer.parameters(), q, src)]
-    for p in (*mha.parameters(), *layer.parameters(), q, src):
-        p.grad = None
-    eager = step(mha, layer)
-    assert counter.frame_count == 2 and counter.graph_breaks == 0 and counter.recompiles == 0
-    assert_bitwise_equal(compiled, eager)
-    assert_bitwise_equal(grads, [p.grad for p in (*mha.parameters(), *layer.parameters(), q, src)])
-    # Inference (eval + no_grad, where the float encoder layer takes its fused fast path) compiles too.
-    layer.eval()
-    with torch.no_grad():
-        inference = torch.compile(layer, backend=counter, fullgraph=True)(src, src_key_padding_mask=kpm[:, :16])
-        assert_bitwise_equal(inference, layer(src, src_key_padding_mask=kpm[:, :16]))
-    assert counter.graph_breaks == 0
-
-
 class SaysHello(nn.MultiheadAttention):
     """A subclass that keeps nn.MultiheadAttention's forward."""
 
@@ -273,6 +240,9 @@ def test_a_child_whose_parent_reads_its_weight_is_skipped_with_the_parent():
     ]
 
 
+# torch's own note, once per process, when its encoder fast path builds a nested tensor (the float
+# reference here does, on purpose); a warn-once cannot be asserted reliably, so it is ignored here only.
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 def test_encoder_nested_tensor_path_is_turned_off():
     """In eval + no_grad with a padding mask nn.TransformerEncoder packs the batch into a nested
     tensor; a converted encoder takes the padded batch instead and matches the float model to FP8 precision."""

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import tqcompile as tq
-from tqcompile.models.gpt import GPT, GPTConfig, keep_high_precision, quantize_model
+from tqcompile.demo.model import GPT, GPTConfig, is_quantized_layer, quantize_model
 
 aten = torch.ops.aten
 # Every aten op a float linear, attention or fused transformer layer can reach its weight through.
@@ -145,7 +145,7 @@ def _convert(name, model, recipe):
             quantize_model(model, recipe)  # the model's own conversion: lm_head and router stay high precision
             return [
                 p.name
-                for p in tq.nn.conversion_plan(model, recipe, filter_fn=keep_high_precision)
+                for p in tq.nn.conversion_plan(model, recipe, filter_fn=is_quantized_layer)
                 if p.action == "already converted"
             ]
         plan = tq.nn.conversion_plan(model, recipe)

@@ -1,5 +1,5 @@
 """`tq.distributed.QuantizedWeight` in one process: transparent outside FSDP2 (the multi-process
-behaviour is in compile_tests/test_fsdp_gloo.py)."""
+behaviour is in tests/distributed/test_fsdp_gloo.py)."""
 
 from __future__ import annotations
 
@@ -128,15 +128,14 @@ def test_quantized_tensor_as_strided_identity_and_is_pinned():
 def test_dcp_round_trip_of_a_quantized_tensor(tmp_path):
     # torch.distributed.checkpoint asks is_pinned before it copies a tensor; it then saves the
     # inner tensors (flatten) and loads into a QuantizedTensor of the same quantizer, in place.
-    import warnings
-
     import torch.distributed.checkpoint as dcp
 
     q = tq.quantize(torch.randn(64, 64), tq.MXQuantizer(), columnwise=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "no process group: saving in one process"
+    # One process, on purpose: DCP says it assumed so (torch 2.13 warns even when told no_dist=True).
+    with pytest.warns(UserWarning, match="assuming the intent is to save in a single process"):
         dcp.save({"q": q}, checkpoint_id=tmp_path)
-        state = {"q": tq.quantize(torch.zeros(64, 64), tq.MXQuantizer(), columnwise=True)}
+    state = {"q": tq.quantize(torch.zeros(64, 64), tq.MXQuantizer(), columnwise=True)}
+    with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):
         dcp.load(state, checkpoint_id=tmp_path)
     assert isinstance(state["q"], tq.QuantizedTensor)
     assert_bitwise_equal(

@@ -1,6 +1,6 @@
 """`tq.nn.GroupedLinear` (MoE experts): per-expert scales; the dense per-expert loop and the grouped
 path (`m_splits` as a tensor or a list) agree; uneven counts with block recipes; bad input; opcheck
-on the grouped ops; compile.
+on the grouped ops (compiled: compile_tests/test_grouped_linear_compile.py).
 
 Bit for bit means payload-derived results identical (y, dx, dW). Exceptions, each stated where it
 is tested: NVFP4's stochastically rounded gradients (one random stream per layer instead of one
@@ -11,7 +11,6 @@ fp32 summation's error bound of the exact sum).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -22,7 +21,7 @@ from hypothesis import strategies as st
 import tqcompile as tq
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.quantizers import NVFP4Quantizer
-from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
+from tqcompile.testing.compile import assert_bitwise_equal
 from tqcompile.testing.numerics import sqnr
 
 E, K, N = 4, 128, 128
@@ -324,21 +323,6 @@ def test_bad_input():
         tq.nn.GroupedLinear(2, 128, 128, recipe=two_d)
 
 
-def test_bad_m_splits_error_in_a_compiled_call():
-    """Compiled, the module's eager check is skipped (it would need the counts on the host); the
-    ops' kernels check them on CPU and raise the same kind of error at run time."""
-    experts = _experts("fp8_tensorwise")
-    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
-    x = torch.randn(8, K)
-    assert compiled(x, torch.tensor([2, 2, 0, 4])).shape == (8, N)
-    with pytest.raises(
-        ValueError,
-        match=r"m_splits=\[2, 2, 2, 3\] must be non-negative per-expert token counts summing to the number of tokens 8",
-    ):
-        compiled(x, torch.tensor([2, 2, 2, 3]))
-    torch.compiler.reset()
-
-
 def test_padded_layout_is_worst_case_static():
     """The columnwise layout's length is the static worst case: every expert's segment starts at a
     multiple of the block, and the last one ends within it, whatever the counts."""
@@ -395,17 +379,3 @@ def test_opcheck_grouped_gemm(qname, float8_comparable):
     torch.library.opcheck(gops.grouped_mm_wgrad, (dy, x, ends, torch.float32))
 
 
-@pytest.mark.parametrize("mode", ["dense", "list", "tensor"])
-@pytest.mark.parametrize("name", ["fp8_tensorwise", "nvfp4"])
-def test_compiled_fullgraph_no_graph_breaks(name, mode):
-    torch.compiler.reset()
-    experts = _experts(name)
-    counter = CompileCounter("aot_eager")
-    compiled = torch.compile(copy.deepcopy(experts), backend=counter, fullgraph=True)
-    g = torch.Generator().manual_seed(4)
-    m_splits = {"dense": None, "list": [16, 48, 32, 32], "tensor": torch.tensor([16, 48, 0, 64])}[mode]
-    shape = (E, 32) if mode == "dense" else (128,)
-    x, dy = torch.randn(*shape, K, generator=g), torch.randn(*shape, N, generator=g)
-    assert_bitwise_equal(_step(compiled, x, dy, m_splits), _step(experts, x, dy, m_splits))
-    assert counter.frame_count == 1 and counter.graph_breaks == 0 and counter.recompiles == 0, counter
-    torch.compiler.reset()

@@ -18,11 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tqcompile"
 
-# Circles that other items of issue 14 untie; the lead removes these at merge.
-KNOWN_CYCLES: list[set[str]] = [
-    # perf engineer, item 8 (the plain-torch CPU FP8 GEMM is a reference kernel): ops/gemm <-> ops/inductor
-    {"tqcompile.ops.gemm", "tqcompile.ops.inductor"},
-]
+# What may import the demo package (tqcompile.demo): the command line, and the demo itself.
+DEMO = "tqcompile.demo"
+MAY_IMPORT_DEMO = {"tqcompile.cli"}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -106,9 +104,19 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_import_graph_has_no_cycles():
-    found = cycles(import_graph())
-    unexpected = [sorted(c) for c in found if c not in KNOWN_CYCLES]
-    assert not unexpected, f"import circles in tqcompile/: {unexpected}"
+    found = [sorted(c) for c in cycles(import_graph())]
+    assert not found, f"import circles in tqcompile/: {found}"
+
+
+def test_the_library_never_imports_the_demo():
+    arrows = [
+        (module, target)
+        for module, targets in import_graph().items()
+        for target in targets
+        if (target == DEMO or target.startswith(DEMO + ".")) and not (module == DEMO or module.startswith(DEMO + "."))
+    ]
+    assert {m for m, _ in arrows} <= MAY_IMPORT_DEMO, f"library modules importing the demo: {sorted(arrows)}"
+    assert arrows, "the check must see the CLI's import of the demo (is the graph empty?)"
 
 
 def test_the_graph_sees_deferred_imports_and_package_inits(tmp_path: Path):

@@ -1,4 +1,5 @@
-"""QAT: straight-through estimators (by hand and by hypothesis), compiled QAT steps, training."""
+"""QAT: straight-through estimators (by hand and by hypothesis), training (compiled QAT steps:
+compile_tests/test_qat_compile.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tqcompile import ops
 from tqcompile.calibration import fake_quantize
 from tqcompile.calibration.fake_quant import static_amax_kind
 from tqcompile.kernels.reference import unit_amax
-from tqcompile.testing import CompileCounter, assert_bitwise_equal
+from tqcompile.testing import assert_bitwise_equal
 
 
 def _grad(x, q, amax, ste, upstream=None):
@@ -93,47 +94,6 @@ def test_fake_quant_with_the_data_amax_is_quantize_dequantize_bit_for_bit(case):
     amax = None if kind is None else (ops.amax(x, q) if kind == "tensor" else unit_amax(x, q))
     y = fake_quantize(x, q, amax)
     assert_bitwise_equal(y, tq.quantize(x, q).dequantize())
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv1d(16, 32, 3, padding=1)
-        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 16)
-        self.norm = nn.LayerNorm(64)
-
-    def forward(self, x):
-        h = F.relu(self.conv(x)).mean(-1)
-        return self.fc2(self.norm(F.relu(self.fc1(h))))
-
-
-@pytest.mark.parametrize("config", ["int8", "nvfp4"])
-def test_compiled_qat_step_has_no_graph_break_and_equals_eager(config):
-    torch.manual_seed(0)
-    model = Net()
-    data = [torch.randn(4, 16, 16) for _ in range(2)]
-    tq.calibrate(model, getattr(tq.configs, config)(), lambda m: [m(x) for x in data], progress=False)
-    eager = Net()
-    eager.load_state_dict(model.state_dict())
-    tq.restore(eager, tq.quant_state(model))
-    torch.compiler.reset()  # Net.forward compiled by the other parameter would count as a recompile
-    counter = CompileCounter("aot_eager")
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    for _ in range(2):
-        x, target = torch.randn(4, 16, 16), torch.randn(4, 16)
-        loss_c = F.mse_loss(compiled(x), target)
-        loss_e = F.mse_loss(eager(x), target)
-        loss_c.backward()
-        loss_e.backward()
-        assert_bitwise_equal(loss_c.detach(), loss_e.detach())
-        for p, pe in zip(model.parameters(), eager.parameters()):
-            assert_bitwise_equal(p.grad, pe.grad)
-        with torch.no_grad():
-            for p, pe in zip(model.parameters(), eager.parameters()):
-                p -= 0.01 * p.grad
-                pe -= 0.01 * pe.grad
-                p.grad = pe.grad = None
-    assert (counter.frame_count, counter.recompiles, counter.graph_breaks) == (1, 0, 0)
 
 
 def test_qat_trains_through_fake_quantization():

@@ -17,7 +17,6 @@ from hypothesis import given, settings
 
 import tqcompile as tq
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, NVFP4Quantizer
-from tqcompile.testing.compile import CompileCounter
 from tqcompile.testing.strategies import quantizers
 
 G = Granularity
@@ -101,23 +100,3 @@ def test_construction_is_idempotent(q):
     assert again == q and repr(again) == repr(q)
 
 
-@pytest.mark.parametrize("name", ["fp8-tensorwise-block_size", "fp8-block1d-axis", "nvfp4-hadamard_seed-without-hadamard"])
-def test_equal_result_quantizers_do_not_recompile(name):
-    a, b = SAME_RESULT[name]
-    torch.compiler.reset()
-    counter = CompileCounter("aot_eager")
-    f = torch.compile(lambda x, q: tq.quantize(x, q).dequantize(), backend=counter, fullgraph=True)
-    x = torch.randn(64, 64)
-    f(x, b)
-    f(x, a)
-    assert counter.frame_count == 1 and counter.recompiles == 0, counter
-
-
-def test_quantizer_built_inside_a_compiled_function():
-    """Construction (and its normalisation) runs fine when Dynamo traces it."""
-    torch.compiler.reset()
-    counter = CompileCounter("aot_eager")
-    f = torch.compile(lambda x: tq.quantize(x, Float8Quantizer(block_size=64)).dequantize(), backend=counter, fullgraph=True)
-    x = torch.randn(64, 64)
-    assert torch.equal(f(x), tq.quantize(x, Float8Quantizer()).dequantize())
-    assert counter.graph_breaks == 0

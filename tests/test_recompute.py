@@ -1,6 +1,6 @@
 """`tq.distributed.recompute_in_backward` and the structural detection of activation checkpointing
 that decides what FSDP2's backward all-gather brings (the multi-process behaviour is in
-compile_tests/test_fsdp_recompute_gloo.py)."""
+tests/distributed/test_fsdp_recompute_gloo.py)."""
 
 from __future__ import annotations
 

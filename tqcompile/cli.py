@@ -1,12 +1,14 @@
 """The `tqcompile` command.
 
-    tqcompile --version
+    tqcompile -V | --version
     tqcompile demo [--recipes fp8_tensorwise,mxfp8,nvfp4 | all] [--steps N] [--device cpu|cuda|auto]
-                   [--moe] [--backend aot_eager|inductor] [--plot PATH | --plot none] [--threads T] [--seed S]
+                   [--fsdp N] [--tp M] [--moe] [--backend aot_eager|inductor] [--plot PATH | --plot none]
+                   [--threads T] [--seed S]
 
 `demo` trains a small byte-level GPT in bf16 and with each recipe, compiled with
-`torch.compile(fullgraph=True)`, and prints a table of losses, step times, graph breaks and
-recompiles (see `tqcompile.demo`).
+`torch.compile(fullgraph=True)`, prints a table of losses, step times, graph breaks and
+recompiles, and draws a picture of them (see `tqcompile.demo`). Progress goes to stderr from the
+start, so the command is never silent while it starts processes or compiles.
 """
 
 from __future__ import annotations
@@ -47,22 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `tqcompile` command."""
     import tqcompile
     from tqcompile.demo import DEFAULT_RECIPES, DemoConfig
+    from tqcompile.recipes import RECIPES
 
     defaults = DemoConfig()
-    parser = argparse.ArgumentParser(prog="tqcompile", description="tqcompile: quantization for torch.compile(fullgraph=True).")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {tqcompile.__version__}")
+    recipes = f"recipes: {', '.join(RECIPES)}"  # --help lists them: a new user has nowhere else to look
+    parser = argparse.ArgumentParser(
+        prog="tqcompile", description="tqcompile: quantization for torch.compile(fullgraph=True).", epilog=recipes
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {tqcompile.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
         help="train a small GPT in bf16 and per recipe, compiled, and compare",
         description="Train a small byte-level GPT once in bf16 and once per recipe, each compiled with "
-        "torch.compile(fullgraph=True), and print losses, step times, graph breaks and recompiles.",
+        "torch.compile(fullgraph=True), print losses, step times, graph breaks and recompiles, and draw them.",
+        epilog=recipes,
     )
     demo.add_argument(
         "--recipes",
         type=_recipe_list,
         default=list(DEFAULT_RECIPES),
-        help=f"comma-separated recipe names, or 'all' (default: {','.join(DEFAULT_RECIPES)})",
+        help=f"comma-separated recipe names from: {', '.join(RECIPES)}; or 'all' (default: {','.join(DEFAULT_RECIPES)})",
     )
     demo.add_argument(
         "--steps", type=_positive_int, default=defaults.steps, help=f"training steps per run (default: {defaults.steps})"
@@ -138,32 +145,54 @@ def _demo_config(args: argparse.Namespace, device: str):
     )
 
 
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _report(args: argparse.Namespace, results, table: str, cfg, layout: str | None = None) -> int:
+    """Print the table and draw the picture (unless --plot none); the exit status: 1 if a run broke its graph."""
+    from tqcompile.demo import plot_losses
+
+    print(table)
+    if args.plot.lower() != "none":
+        print(plot_losses(results, args.plot, cfg, layout=layout))
+    return 1 if any(r.error is not None and r.graph_breaks for r in results) else 0
+
+
 def _run_sharded(args: argparse.Namespace, device: str, threads: int | None) -> int:
     """`--fsdp N --tp M`: the same runs over N x M processes (started here, or by torchrun)."""
-    from tqcompile.demo_sharded import run
+    from tqcompile.demo import format_sharded_table
+    from tqcompile.demo.sharded import check_layout, layout_name, process_group_backend, run, under_torchrun
 
     cfg = _demo_config(args, device)
     try:
-        return run(args.recipes, cfg, args.fsdp, args.tp, threads=threads)
+        check_layout(cfg, args.fsdp, args.tp)
     except ValueError as e:  # a layout the model cannot take: a usage error, before any process starts
         print(f"tqcompile demo: error: {e}", file=sys.stderr)
         return 2
+    layout = layout_name(args.fsdp, args.tp)
+    if not under_torchrun():
+        _progress(
+            f"tqcompile demo: bf16 + {', '.join(args.recipes)} over {layout} ({process_group_backend(cfg)}, {device}), "
+            f"{cfg.steps} steps each, backend {cfg.backend}; starting {args.fsdp * args.tp} processes ..."
+        )
+    try:
+        results = run(args.recipes, cfg, args.fsdp, args.tp, threads=threads, progress=_progress)
+    except ValueError as e:
+        print(f"tqcompile demo: error: {e}", file=sys.stderr)
+        return 2
+    if results is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
+    return _report(args, results, format_sharded_table(results, cfg, args.fsdp, args.tp), cfg, layout)
 
 
 def _run(args: argparse.Namespace, device: str) -> int:
-    from tqcompile.demo import format_table, plot_losses, run_demo
+    from tqcompile.demo import format_table, run_demo
 
     cfg = _demo_config(args, device)
-    print(
-        f"tqcompile demo: bf16 + {', '.join(args.recipes)} on {device}, {cfg.steps} steps each, backend {cfg.backend}",
-        file=sys.stderr,
-        flush=True,
-    )
-    results = run_demo(args.recipes, cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_table(results, cfg))
-    if args.plot.lower() != "none":
-        print(plot_losses(results, args.plot, cfg))
-    return 1 if any(r.error is not None and r.graph_breaks for r in results) else 0
+    _progress(f"tqcompile demo: bf16 + {', '.join(args.recipes)} on {device}, {cfg.steps} steps each, backend {cfg.backend}")
+    results = run_demo(args.recipes, cfg, progress=_progress)
+    return _report(args, results, format_table(results, cfg), cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

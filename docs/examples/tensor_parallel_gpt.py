@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import tqcompile as tq
-from tqcompile.models import GPT, GPTConfig, parallelize_gpt, quantize_model
+from tqcompile.demo import GPT, GPTConfig, parallelize_gpt, quantize_model
 
 
 def main() -> None:

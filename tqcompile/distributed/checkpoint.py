@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -212,7 +213,19 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_i
             fused[path] = chunks
             container[key] = _stacked(container[key], chunks)
     state[_FUSED_KEY] = json.dumps(fused, sort_keys=True)
-    dcp.save(state, checkpoint_id=checkpoint_id)
+    _dcp(dcp.save, state, checkpoint_id)
+
+
+def _dcp(call, state: dict, checkpoint_id) -> None:
+    """`dcp.save` or `dcp.load`, told `no_dist` when there is no process group. DCP then warns on
+    every call that it is "assuming the intent is to save/load in a single process", even when told
+    so (torch 2.13): one process is a layout `save`/`load` support, not a guess, so that note is
+    dropped here, and only here."""
+    one_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    with warnings.catch_warnings():
+        if one_process:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+        call(state, checkpoint_id=checkpoint_id, no_dist=one_process)
 
 
 def _check(saved: dict[str, str], current: dict[str, str], checkpoint_id) -> None:
@@ -247,7 +260,7 @@ def load(
 
     meta = {_KEY: "", _FUSED_KEY: ""}
     try:
-        dcp.load(meta, checkpoint_id=checkpoint_id)
+        _dcp(dcp.load, meta, checkpoint_id)
     except Exception:  # written before fused tensors were stacked (it holds none), or not by `save`
         meta = {_KEY: ""}
         _load_metadata(meta, checkpoint_id)
@@ -289,7 +302,7 @@ def load(
             )
         elif saved > 1:  # a plain tensor here: read the stacked rows into a view of it
             container[key] = _plain(value).view(saved, -1, *value.shape[1:])
-    dcp.load(target, checkpoint_id=checkpoint_id)
+    _dcp(dcp.load, target, checkpoint_id)
     with torch.no_grad():
         for value, full, chunks in gathered:
             world, rank = value.device_mesh.size(), value.device_mesh.get_local_rank()
@@ -308,7 +321,7 @@ def _load_metadata(meta: dict, checkpoint_id) -> None:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(meta, checkpoint_id=checkpoint_id)
+        _dcp(dcp.load, meta, checkpoint_id)
     except Exception as e:  # DCP's error for a missing key is long; say what is missing
         if _KEY in str(e) or "Missing key" in str(e):
             raise CheckpointMismatchError(

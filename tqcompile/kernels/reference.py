@@ -33,7 +33,18 @@ from tqcompile.quantizers import (
     ScaleRounding,
 )
 
-__all__ = ["tensor_amax", "unit_amax", "quantize", "dequantize", "e2m1_encode", "e2m1_decode", "hadamard_matrix", "uniform_hash"]
+__all__ = [
+    "tensor_amax",
+    "unit_amax",
+    "quantize",
+    "dequantize",
+    "fp8_pair_on_cpu",
+    "fp8_gemm_cpu",
+    "e2m1_encode",
+    "e2m1_decode",
+    "hadamard_matrix",
+    "uniform_hash",
+]
 
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6
 _MASK32 = 0xFFFFFFFF
@@ -323,3 +334,31 @@ def dequantize(
     else:
         raise TypeError(f"no reference kernel for quantizer type {type(q).__name__}")
     return _saturate(out, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU FP8 GEMM (what CPU `torch._scaled_mm` computes), used by `tqcompile::gemm_tn` on CPU
+# and handed to inductor as its decomposition (`tqcompile.ops.inductor`)
+# ---------------------------------------------------------------------------------------------
+def fp8_pair_on_cpu(a_data: torch.Tensor, a_q: Quantizer, b_data: torch.Tensor, b_q: Quantizer) -> bool:
+    """FP8 operands with tensorwise scales, or rowwise scales along K, on the CPU: the pairs CPU
+    `torch._scaled_mm` serves, which `fp8_gemm_cpu` computes instead."""
+    if a_data.device.type != "cpu" or not (isinstance(a_q, Float8Quantizer) and isinstance(b_q, Float8Quantizer)):
+        return False
+    if 0 in (*a_data.shape, *b_data.shape):
+        return False
+    grans = {a_q.granularity, b_q.granularity}
+    return grans == {Granularity.TENSORWISE} or (grans == {Granularity.ROWWISE} and a_q.axis % 2 == 1 and b_q.axis % 2 == 1)
+
+
+def fp8_gemm_cpu(a_data, a_scale_inv, a_q, b_data, b_scale_inv, b_q, out_dtype) -> torch.Tensor:
+    """``a @ b.T`` for an `fp8_pair_on_cpu` pair, computed as CPU `torch._scaled_mm` computes it
+    (torch 2.13, `_scaled_mm_out_cpu_emulated`): each operand upcast to fp32 and multiplied by its
+    scale, b transposed into a contiguous (K, N) matrix, one fp32 matmul, one cast. So it equals
+    `_scaled_mm` bit for bit (same products, same BLAS call, same summation order) wherever that is
+    finite; its dequantize saturates, so where `_scaled_mm` overflows to Inf this stays finite.
+    Plain torch ops: inductor fuses the upcasts and scales (`tqcompile.ops.inductor`), which the
+    opaque `_scaled_mm` runs as separate passes on every call."""
+    a = dequantize(a_data, a_scale_inv, None, a_q, torch.float32)
+    b = dequantize(b_data, b_scale_inv, None, b_q, torch.float32).t().contiguous()
+    return torch.matmul(a, b).to(out_dtype)

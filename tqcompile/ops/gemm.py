@@ -15,7 +15,7 @@ summation order: bit for bit where the sums are exact, otherwise within fp32 acc
 
 Overflow: the emulation dequantizes with saturation (`reference.dequantize`), so a finite input
 never becomes ±Inf in an operand. On CPU, FP8 tensorwise/rowwise pairs do not call
-`torch._scaled_mm`: `fp8_gemm_cpu` computes what CPU `_scaled_mm` computes, in the same order (bit
+`torch._scaled_mm`: `reference.fp8_gemm_cpu` computes what CPU `_scaled_mm` computes, in the same order (bit
 for bit equal to it where it is finite), with the saturating dequantize (finite where it would
 overflow), in plain torch ops that inductor can fuse. CUDA keeps `torch._scaled_mm`.
 """
@@ -27,30 +27,6 @@ import torch
 from tqcompile.kernels import reference
 from tqcompile.ops.inductor import register_inductor_decompositions
 from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
-
-
-def fp8_pair_on_cpu(a_data: torch.Tensor, a_q: Quantizer, b_data: torch.Tensor, b_q: Quantizer) -> bool:
-    """FP8 operands with tensorwise scales, or rowwise scales along K, on the CPU: the pairs CPU
-    `torch._scaled_mm` serves, which `fp8_gemm_cpu` computes instead."""
-    if a_data.device.type != "cpu" or not (isinstance(a_q, Float8Quantizer) and isinstance(b_q, Float8Quantizer)):
-        return False
-    if 0 in (*a_data.shape, *b_data.shape):
-        return False
-    grans = {a_q.granularity, b_q.granularity}
-    return grans == {Granularity.TENSORWISE} or (grans == {Granularity.ROWWISE} and a_q.axis % 2 == 1 and b_q.axis % 2 == 1)
-
-
-def fp8_gemm_cpu(a_data, a_scale_inv, a_q, b_data, b_scale_inv, b_q, out_dtype) -> torch.Tensor:
-    """``a @ b.T`` for an `fp8_pair_on_cpu` pair, computed as CPU `torch._scaled_mm` computes it
-    (torch 2.13, `_scaled_mm_out_cpu_emulated`): each operand upcast to fp32 and multiplied by its
-    scale, b transposed into a contiguous (K, N) matrix, one fp32 matmul, one cast. So it equals
-    `_scaled_mm` bit for bit (same products, same BLAS call, same summation order) wherever that is
-    finite; its dequantize saturates, so where `_scaled_mm` overflows to Inf this stays finite.
-    Plain torch ops: inductor fuses the upcasts and scales (`tqcompile.ops.inductor`), which the
-    opaque `_scaled_mm` runs as separate passes on every call."""
-    a = reference.dequantize(a_data, a_scale_inv, None, a_q, torch.float32)
-    b = reference.dequantize(b_data, b_scale_inv, None, b_q, torch.float32).t().contiguous()
-    return torch.matmul(a, b).to(out_dtype)
 
 
 def _scaled_mm_applies(
@@ -73,7 +49,7 @@ def _scaled_mm_applies(
     if not (grans == {Granularity.TENSORWISE} or (rowwise and a_q.axis % 2 == 1 and b_q.axis % 2 == 1)):
         return False
     if a_data.device.type != "cuda":
-        return False  # on CPU `fp8_gemm_cpu` computes these pairs (see its docstring)
+        return False  # on CPU `reference.fp8_gemm_cpu` computes these pairs (see its docstring)
     # CUDA's FP8 GEMMs: dims multiples of 16, not both E5M2; rowwise wants E4M3 and bf16 out.
     dims_ok = all(d % 16 == 0 for d in (*a_data.shape, b_data.shape[0]))
     both_e5m2 = a_q.format.name == b_q.format.name == "E5M2"
@@ -99,8 +75,8 @@ def gemm_tn(
     # fp32 emulation's matmul (and CPU `_scaled_mm`, which matmuls inside) bf16, and differ from the
     # compiled graph, whose kernels run without it.
     with torch.autocast(a_data.device.type, enabled=False):
-        if fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
-            return fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
+        if reference.fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
+            return reference.fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
         if _scaled_mm_applies(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype):
             return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
         a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)

@@ -8,7 +8,7 @@ defines the numerics, traced into aten ops. Inductor then fuses the amax reducti
 multiply, the clamp and the cast with the producer of `x` and with each other (and a dequantize
 with its consumer), as it does torchao's plain-aten casts, instead of running opaque kernels that
 each read the whole tensor. `gemm_tn` is handed over for FP8 tensorwise/rowwise pairs on CPU
-(`tqcompile.ops.gemm.fp8_gemm_cpu`: CPU `_scaled_mm`'s own computation in plain torch), so the
+(`tqcompile.kernels.reference.fp8_gemm_cpu`: CPU `_scaled_mm`'s own computation in plain torch), so the
 operands' upcast and scale fuse too; the matmul stays an external kernel, the same BLAS call.
 
 The numerics cannot drift from the eager kernels: a decomposition *is* the reference kernel.
@@ -68,16 +68,15 @@ def _dequantize(data, scale_inv, amax, quantizer, dtype):
 
 
 def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype):
-    from tqcompile.ops.gemm import fp8_gemm_cpu, fp8_pair_on_cpu
-
-    if not fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
+    if not reference.fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
         return NotImplemented
-    return fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
+    return reference.fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
 
 
 @functools.cache
 def register_inductor_decompositions() -> None:
     """Give inductor the reference kernels of the `tqcompile` ops as decompositions (idempotent)."""
+    from torch._inductor import decomposition
     from torch._inductor.decomposition import decompositions
     from torch._inductor.lowering import make_fallback
 
@@ -93,3 +92,14 @@ def register_inductor_decompositions() -> None:
         # graph and inductor calls its kernel, as for any custom op; it must be told that explicitly
         # once the op has a decomposition.
         make_fallback(op, override_decomp=True)
+    # Inductor reads the table through `select_decomp_table()`, which returns a copy of it cached
+    # at the first inductor compile of the process (`fast_random_decomps`, a `functools.cache`).
+    # Where anything else was compiled with inductor before the first `tqcompile` op was traced
+    # (a model without quantization, torchao's), that copy lacks the entries above, and every later
+    # graph kept the ops opaque (benchmarks/bench_step.py's compiled fp8_tensorwise step measured
+    # 1.6x slower in such a process). Dropping the cached copy makes the next compile build it
+    # again, with them. Private, like the table; checked on torch 2.13
+    # (compile_tests/test_inductor_fusion.py compiles another model first).
+    cached = getattr(decomposition, "fast_random_decomps", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()

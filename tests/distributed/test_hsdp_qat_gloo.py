@@ -1,6 +1,6 @@
 """HSDP with a real replicate dimension, and QAT under FSDP2, on four CPU processes over gloo.
 
-compile_tests/test_fsdp_gloo.py checks HSDP on a (1, 2) mesh only, where the replicate dimension
+tests/distributed/test_fsdp_gloo.py checks HSDP on a (1, 2) mesh only, where the replicate dimension
 does nothing. Here the mesh is (2 replicas, 2 shards): the amax of a weight must be reduced over
 its shard group (2 ranks), not the world, and the two replicas must compute the one-process
 losses bit for bit, with and without `precompute_scales`. A calibrated (QAT) model sharded with
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tqcompile as tq
-from tqcompile.testing import CompileCounter
+from tqcompile.testing import CompileCounter, run_checks
 
 WORLD = 4
 STEPS = 3
@@ -82,7 +82,7 @@ def _calibrated(config: str) -> nn.Module:
     return model
 
 
-def _checks(rank: int, out_dir: str) -> None:
+def _check_hsdp() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -100,7 +100,13 @@ def _checks(rank: int, out_dir: str) -> None:
         weight = model.blocks[0].up.weight
         results["hsdp group", recipe] = (type(weight).__name__, weight.amax_group_name, mesh["shard"].get_group().group_name)
         model.blocks[0].reshard()
+    return results
 
+
+def _check_qat_fsdp4() -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
     for config in ("int8", "nvfp4"):
         reference = _train(_calibrated(config))
         model = _calibrated(config)
@@ -110,6 +116,11 @@ def _checks(rank: int, out_dir: str) -> None:
             fully_shard(model.blocks[i])
         fully_shard(model)
         results["qat", config] = (_train(model), reference, counter.graph_breaks, counter.frame_count)
+    return results
+
+
+def _check_quantize_after_shard_refused() -> None:
+    from torch.distributed.fsdp import fully_shard
 
     # Calibrating or restoring after fully_shard used to fail at the first forward inside DTensor
     # dispatch ("tqcompile.quantize.default got mixed torch.Tensor and DTensor").
@@ -127,21 +138,36 @@ def _checks(rank: int, out_dir: str) -> None:
             quantize(model)
         assert not any(isinstance(m, tq.calibration.FakeQuantModule) for m in model.modules()), who  # unchanged
 
-    # torch's own TP style on a converted layer used to fail in DTensor dispatch ("Operator
-    # tqcompile.amax.default does not have a sharding strategy registered").
+
+def _check_torch_tp_style_refused() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+    # torch's own TP style on a converted layer used to fail in DTensor dispatch ("Operator
+    # tqcompile.amax.default does not have a sharding strategy registered").
     layer = tq.convert(nn.Sequential(nn.Linear(64, 128)), tq.recipes.fp8_tensorwise(), fsdp_quantized_all_gather=False)
     parallelize_module(layer, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",)), {"0": ColwiseParallel()})
     with pytest.raises(
         TypeError, match=r"recipe 'fp8_tensorwise'\): its weight is a DTensor placed \(Shard\(dim=0\),\) on a mesh of 4"
     ):
         layer(torch.randn(8, 64))
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+def _checks(rank: int, out_dir: str) -> None:
+    done = run_checks(
+        rank,
+        [
+            ("hsdp", _check_hsdp),
+            ("qat_fsdp4", _check_qat_fsdp4),
+            ("quantize_after_shard_refused", _check_quantize_after_shard_refused),
+            ("torch_tp_style_refused", _check_torch_tp_style_refused),
+        ],
+    )
+    torch.save({**done["hsdp"], **done["qat_fsdp4"]}, f"{out_dir}/rank{rank}.pt")
 
 
 def test_hsdp_2x2_and_qat_fsdp4_equal_one_process(tmp_path):
-    ranks = tq.testing.run_ranks(functools.partial(_checks), WORLD, tmp_path, deadline_s=500)
+    ranks = tq.testing.run_ranks(functools.partial(_checks), WORLD, tmp_path, deadline_s=400)  # 126 s measured at load ~28 on 2 cores
     for rank, results in enumerate(ranks):
         for key, value in results.items():
             if key[0] == "hsdp":

@@ -1,4 +1,5 @@
-"""`parallelize`: shard the demo GPT over a device mesh, read top to bottom.
+"""Shard the demo GPT over a device mesh: `parallelize` (TP, compile, FSDP2, read top to bottom)
+and `parallelize_gpt`, its tensor/sequence-parallel plan.
 
 The order is the one FSDP2 and torch.compile need (torchtitan's):
 
@@ -8,7 +9,7 @@ The order is the one FSDP2 and torch.compile need (torchtitan's):
 3. `fully_shard` of each block, then of the root, over the "dp" dimension, gathering in bf16
    (`MixedPrecisionPolicy(param_dtype=bfloat16)`): FSDP's hooks run between the compiled blocks.
 
-Which TP plan: a converted model gets `tqcompile.models.parallel.parallelize_gpt`, tqcompile's TP
+Which TP plan: a converted model gets `parallelize_gpt` (below), tqcompile's TP
 styles (torch's own fail on converted layers: DTensor has no sharding strategy for the
 `tqcompile` ops); the high-precision bf16 baseline gets the same layout with torch's styles (the
 fused q/k/v split of tqcompile's `ColwiseParallel` serves converted layers only). Which FSDP
@@ -27,11 +28,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import parallel as torch_tp
 
-from tqcompile.models.gpt import GPT
-from tqcompile.models.parallel import parallelize_gpt
+from tqcompile.demo.model import GPT
+from tqcompile.distributed import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from tqcompile.nn.base import is_converted
 
-__all__ = ["parallelize", "mesh_dims"]
+__all__ = ["parallelize", "parallelize_gpt", "mesh_dims"]
 
 
 def mesh_dims(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
@@ -50,6 +51,54 @@ def mesh_dims(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
         return m if m.size() > 1 else None
 
     return sub("dp"), sub("tp")
+
+
+def parallelize_gpt(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True) -> GPT:
+    """Shard `model` (converted or not) over the 1-D `tp_mesh` with tqcompile's TP styles, in place,
+    and return it.
+
+    Per block (Megatron-style, with sequence parallelism): the norms run on sequence shards; the
+    fused q/k/v projection and the MLP's first layer are column-parallel (their sequence-split input
+    is all-gathered quantized); the attention and MLP output projections are row-parallel (their
+    partial sums are reduce-scattered back to sequence shards). Each rank keeps n_head / tp heads.
+    The embeddings stay replicated; the first block's input is split along the sequence; the final
+    norm is sequence parallel and the high-precision lm_head column-parallel with a replicated output,
+    so every rank computes the whole loss.
+
+    Call it after `tq.convert` / `quantize_model` and before compiling the blocks. Needs a dense
+    MLP (no MoE), `n_head` divisible by the TP degree, and, with `sequence_parallel`, a sequence
+    length divisible by it.
+    """
+    world = tp_mesh.size()
+    cfg = model.cfg
+    if cfg.n_experts:
+        raise ValueError(
+            f"parallelize_gpt: MoE blocks (n_experts={cfg.n_experts}) have no tensor-parallel plan here; use n_experts=0"
+        )
+    if cfg.n_head % world:
+        raise ValueError(f"parallelize_gpt: n_head={cfg.n_head} is not divisible by the TP degree {world}")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    for block in model.blocks:
+        plan = {
+            "attn.qkv": ColwiseParallel(input_layouts=seq, fused_chunks=3),
+            "attn.proj": RowwiseParallel(output_layouts=seq),
+            "mlp.fc": ColwiseParallel(input_layouts=seq),
+            "mlp.proj": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+        torch_tp.parallelize_module(block, tp_mesh, plan)
+        block.attn.n_head = cfg.n_head // world
+    top = {"lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sequence_parallel:
+        top.update(
+            {
+                "blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True),
+                "norm": SequenceParallel(),
+            }
+        )
+    torch_tp.parallelize_module(model, tp_mesh, top)
+    return model
 
 
 def _apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
@@ -102,7 +151,7 @@ def _apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
 
 
 def parallelize(model: GPT, mesh: DeviceMesh, *, backend: str | Callable[..., Any] | None = "aot_eager") -> GPT:
-    """Shard `model` (a `tqcompile.models.GPT`, converted or not) over `mesh`, in place, and return it.
+    """Shard `model` (a `tqcompile.demo.GPT`, converted or not) over `mesh`, in place, and return it.
 
     `mesh` is 1-D ("dp": FSDP2, or "tp": tensor + sequence parallel) or 2-D ("dp", "tp"). Call it
     after `quantize_model` and before building the optimizer. `backend` compiles each block with
@@ -117,7 +166,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, *, backend: str | Callable[..., An
         # Its TP plan and its blocks are the demo GPT's (model.cfg, model.blocks): another model
         # failed with "'Llama' object has no attribute 'blocks'".
         raise TypeError(
-            f"parallelize: shards tqcompile.models.GPT only, got {type(model).__name__}; for your own model, apply the "
+            f"parallelize: shards tqcompile.demo.GPT only, got {type(model).__name__}; for your own model, apply the "
             "same steps in this order: tq.convert, parallelize_module with tq.distributed's TP styles, torch.compile "
             "of each block (fullgraph=True), fully_shard of each block and then the root (docs/distributed.md)"
         )

@@ -1,7 +1,7 @@
 """Writes `corpus.txt`, the demo's training text: original English prose generated from a small
 grammar of tales about a harbour town (no downloaded text, no licence to track).
 
-Deterministic: `python tqcompile/data/make_corpus.py` rewrites the same file byte for byte.
+Deterministic: `python tqcompile/demo/data/make_corpus.py` rewrites the same file byte for byte.
 """
 
 from __future__ import annotations

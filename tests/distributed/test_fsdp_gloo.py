@@ -27,20 +27,17 @@ Checks:
 from __future__ import annotations
 
 import contextlib
-import datetime
-import time
-import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import tqcompile as tq
-from tqcompile.models.gpt import GPT, GPTConfig, keep_high_precision
+from tqcompile.demo.model import GPT, GPTConfig, is_quantized_layer
+from tqcompile.testing import run_checks, run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 WORLD = 2
@@ -61,7 +58,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gpt(recipe: tq.Recipe, quantized_all_gather: bool = True) -> GPT:
     torch.manual_seed(0)
-    return tq.convert(GPT(CFG), recipe, filter_fn=keep_high_precision, fsdp_quantized_all_gather=quantized_all_gather)
+    return tq.convert(GPT(CFG), recipe, filter_fn=is_quantized_layer, fsdp_quantized_all_gather=quantized_all_gather)
 
 
 def _train(model: nn.Module, forward=None, steps: int = STEPS, after_step=None) -> list[float]:
@@ -339,50 +336,16 @@ def _check_checkpoint(rank: int, results: dict, out_dir: Path) -> None:
         tq.distributed.checkpoint.load(other, None, out_dir / "single")
 
 
-def _worker(rank: int, init_file: str, out_dir: str, checks: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=90)
-    )
+def _rank_checks(rank: int, out_dir: str) -> None:
     out = Path(out_dir)
-    results: dict = {"timings": {}}
-    try:
-        for check in checks:
-            start = time.perf_counter()
-            fn = globals()[f"_check_{check}"]
-            fn(rank, results, out) if check == "checkpoint" else fn(rank, results)
-            results["timings"][check] = time.perf_counter() - start
-        torch.save(results, out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    results: dict = {}
 
+    def run(check: str) -> None:
+        fn = globals()[f"_check_{check}"]
+        fn(rank, results, out) if check == "checkpoint" else fn(rank, results)
 
-def _spawn(tmp_path: Path, checks: list[str]) -> list[dict]:
-    context = mp.start_processes(
-        _worker, args=(str(tmp_path / "store"), str(tmp_path), checks), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + JOIN_DEADLINE_S
-    try:
-        while not context.join(timeout=5):
-            errors = sorted(tmp_path.glob("rank*.error"))
-            if errors or time.monotonic() > deadline:
-                break
-    except Exception as e:
-        traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
-        raise AssertionError(f"a rank failed:\n{traces or e}") from e
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-    traces = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.error")))
-    if traces:
-        raise AssertionError(f"a rank failed:\n{traces}")
-    if any(not (tmp_path / f"rank{r}.pt").exists() for r in range(WORLD)):
-        raise AssertionError(f"the ranks did not finish within {JOIN_DEADLINE_S}s")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results["timings"] = run_checks(rank, [(check, lambda c=check: run(c)) for check in CHECKS])["timings"]
+    torch.save(results, out / f"rank{rank}.pt")
 
 
 def _single_process_checkpoint(path: Path) -> tuple[dict, dict]:
@@ -417,7 +380,7 @@ CHECKS = [
 
 def test_fsdp2_quantized_all_gather(tmp_path):
     single_model, single_optim = _single_process_checkpoint(tmp_path / "single")
-    ranks = _spawn(tmp_path, CHECKS)
+    ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=JOIN_DEADLINE_S, timeout_s=90)
 
     # Planted outlier: each rank's gathered weight is the one-process quantization of the whole weight.
     for name in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4"):

@@ -23,7 +23,7 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.nn.grouped import grouped_unsupported_reason
 
-__all__ = ["GPTConfig", "GPT", "Experts", "MoE", "quantize_model", "keep_high_precision"]
+__all__ = ["GPTConfig", "GPT", "Experts", "MoE", "quantize_model", "is_quantized_layer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +179,9 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def keep_high_precision(module: nn.Module, fqn: str) -> bool:
-    """`filter_fn` for `tq.convert`: False (keep high precision) for the lm_head and MoE routers."""
+def is_quantized_layer(module: nn.Module, fqn: str) -> bool:
+    """`filter_fn` for `tq.convert`: True for the layers the recipe quantizes (the blocks' linears
+    and experts), False for the lm_head and MoE routers, which stay in high precision."""
     return not fqn.endswith(("lm_head", "router"))
 
 
@@ -189,7 +190,7 @@ def quantize_model(model: GPT, recipe: tq.Recipe) -> GPT:
 
     Raises ValueError, before changing anything, if the recipe cannot serve every layer it should
     quantize: a demo run is only meaningful with all of them in the recipe's formats."""
-    skipped = [p for p in tq.nn.conversion_plan(model, recipe, filter_fn=keep_high_precision) if p.action == "skip"]
+    skipped = [p for p in tq.nn.conversion_plan(model, recipe, filter_fn=is_quantized_layer) if p.action == "skip"]
     if skipped:
         by_reason: dict[str, list[str]] = {}  # one reason usually covers many layers: say it once
         for p in skipped:
@@ -201,4 +202,4 @@ def quantize_model(model: GPT, recipe: tq.Recipe) -> GPT:
                 for reason, names in by_reason.items()
             )
         )
-    return tq.convert(model, recipe, filter_fn=keep_high_precision)
+    return tq.convert(model, recipe, filter_fn=is_quantized_layer)

@@ -19,8 +19,6 @@ losses and every gradient over 3 AdamW steps, bit for bit:
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -32,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 import tqcompile as tq
 from tqcompile.testing.comm import count_collective_bytes
 from tqcompile.testing.compile import CompileCounter
-from tqcompile.testing.distributed import run_ranks
+from tqcompile.testing.distributed import run_checks, run_ranks
 
 RECIPES = ("mxfp8", "fp8_rowwise", "fp8_tensorwise")
 D, HIDDEN, STEPS = 64, 128, 3
@@ -198,11 +196,12 @@ def _check_bytes(rank: int, results: dict) -> None:
 
 
 def _checks(rank: int, out_dir: str) -> None:
-    results: dict = {"seconds": {}}
-    for check in (_check_parity, _check_compile, _check_bytes):
-        start = time.perf_counter()
-        check(rank, results)
-        results["seconds"][check.__name__] = round(time.perf_counter() - start, 1)
+    results: dict = {}
+    checks = [
+        (check.__name__.removeprefix("_check_"), lambda c=check: c(rank, results))
+        for check in (_check_parity, _check_compile, _check_bytes)
+    ]
+    results["seconds"] = {name: round(s, 1) for name, s in run_checks(rank, checks)["timings"].items()}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 

@@ -2,13 +2,14 @@
 `count_collective_bytes`, on CPU with gloo.
 
 Starting processes and compiling are the slow part here: each spawn runs several checks, every
-spawn has a time limit, and a failing rank fails the test at once (`launch.spawn`).
+spawn has a time limit, and a failing rank fails the test at once (`tq.testing.distributed.spawn`).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from tqcompile.cli import main
-from tqcompile.distributed.launch import spawn
 from tqcompile.testing.comm import count_collective_bytes
+from tqcompile.testing.distributed import run_ranks, spawn
 
 N = 1000  # float32 elements per rank
 
@@ -81,13 +82,25 @@ def _sleeps(rank: int, world_size: int) -> None:
     time.sleep(600)
 
 
-def test_spawn_fails_fast_and_times_out() -> None:
+def _rank0_fails_a_check(rank: int, out_dir: str) -> None:
+    if rank == 0:
+        pytest.fail("planted check failure on rank 0")  # a BaseException, not an Exception
+    dist.barrier()
+
+
+def test_spawn_fails_fast_and_times_out(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="planted failure on rank 1"):
         spawn(_rank1_raises, 2, timeout_s=120)
     with pytest.raises(TimeoutError, match="still running after 8 s"):
         spawn(_sleeps, 2, timeout_s=8)
     assert time.monotonic() - start < 110  # neither waited for its rank-0 process to finish
+    # run_ranks, the tests' form of the same launcher: the failed rank's traceback, as an AssertionError,
+    # without waiting for the peer in its barrier (its collective would wait 300 s, past the deadline).
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)a rank failed:.*-- rank 0 raised:.*planted check failure on rank 0"):
+        run_ranks(_rank0_fails_a_check, 2, tmp_path, deadline_s=120, timeout_s=300)
+    assert time.monotonic() - start < 110
 
 
 def _table_rows(out: str) -> tuple[str, dict[str, list[str]]]:
@@ -102,10 +115,25 @@ def _table_rows(out: str) -> tuple[str, dict[str, list[str]]]:
     return header, rows
 
 
-def test_demo_fsdp2_prints_the_bytes_gathered(capfd: pytest.CaptureFixture[str]) -> None:
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _documented_megabytes(layout: str) -> dict[str, str]:
+    """recipe -> the MB/step that docs/distributed.md states for `layout`, in the output of
+    benchmarks/bench_distributed.py pasted there (columns: layout, recipe, gathered MB/step, ...)."""
+    lines = (DOCS / "distributed.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("layout ") and "gathered MB/step" in ln)
+    end = lines.index("```", start)
+    rows = [ln.split() for ln in lines[start + 2 : end] if ln.startswith(f"{layout} ")]
+    assert rows, f"docs/distributed.md has no {layout} rows of bench_distributed.py's output"
+    return {row[1]: row[2] for row in rows}
+
+
+def test_demo_fsdp2_prints_the_bytes_gathered(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     import tqcompile.distributed as tqd
 
-    status = main(["demo", "--fsdp", "2", "--recipes", "fp8_tensorwise", "--steps", "2", "--plot", "none"])
+    picture = tmp_path / "fsdp2.png"
+    status = main(["demo", "--fsdp", "2", "--recipes", "fp8_tensorwise", "--steps", "2", "--plot", str(picture)])
     out, err = capfd.readouterr()
     assert status == 0, out + err
     header, rows = _table_rows(out)
@@ -126,6 +154,18 @@ def test_demo_fsdp2_prints_the_bytes_gathered(capfd: pytest.CaptureFixture[str])
     assert "FSDP2 2 = 2 processes, gloo" in out
     # Rank 0 alone reports progress: one line per step and run.
     assert err.count("[                bf16] step    0/2") == 1, err
+    # Said before the processes start and before each run compiles: never a silent wait.
+    lines = err.splitlines()
+    assert lines[0].startswith("tqcompile demo: bf16 + fp8_tensorwise over FSDP2 2 = 2 processes (gloo, cpu)"), err
+    assert lines[0].endswith("starting 2 processes ..."), err
+    assert lines.index(
+        "[                bf16] compiling (the first step compiles forward, backward and the optimizer step) ..."
+    ) < (next(i for i, ln in enumerate(lines) if ln.startswith("[                bf16] step    0/2"))), err
+    # The sharded run draws the picture too, and says so.
+    assert f"plot written to {picture}" in out and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", out
+    # docs/distributed.md's FSDP2=2 figures are this table's (bytes do not depend on the machine).
+    documented = _documented_megabytes("FSDP2=2")
+    assert documented["bf16"] == f"{bf16_mb:.3f}" and documented["fp8_tensorwise"] == f"{fp8_mb:.3f}", (documented, out)
 
 
 def test_demo_tp2_gathers_quantized_activations(capfd: pytest.CaptureFixture[str]) -> None:
@@ -143,6 +183,9 @@ def test_demo_tp2_gathers_quantized_activations(capfd: pytest.CaptureFixture[str
     # styles gather fp8_tensorwise's quantized (the lm_head's input and logits stay high precision).
     assert float(cells["fp8_tensorwise"]["gathered MB/step"]) < 0.7 * float(cells["bf16"]["gathered MB/step"]), out
     assert "TP 2 (+SP) = 2 processes, gloo" in out
+    documented = _documented_megabytes("TP=2")
+    for name in ("bf16", "fp8_tensorwise"):
+        assert documented[name] == cells[name]["gathered MB/step"], (documented, out)
 
 
 @pytest.mark.parametrize(
@@ -165,8 +208,8 @@ def test_sharded_table_says_what_its_columns_and_layout_are() -> None:
     # The TP-only table claimed "then fully_shard; FSDP2 gathers in bf16 ..." although no FSDP2 ran,
     # and unlike the one-process table it did not say that "final loss" is a mean of the last steps
     # (a new user read 5.21 as the last loss, printed as 4.88 just above it).
-    from tqcompile.demo import DemoConfig
-    from tqcompile.demo_sharded import ShardedRunResult, format_sharded_table
+    from tqcompile.demo import DemoConfig, format_sharded_table
+    from tqcompile.demo.sharded import ShardedRunResult
 
     cfg = DemoConfig(steps=5)
     runs = [ShardedRunResult("bf16", losses=[5.0, 4.0, 3.0, 2.0, 1.0], step_times_s=[1.0, 0.1], all_gather_bytes=100)]
@@ -181,12 +224,12 @@ def test_parallelize_refuses_a_model_other_than_the_demo_gpt() -> None:
     # A user's own model failed deep inside with "'Llama' object has no attribute 'blocks'".
     from torch import nn
 
-    from tqcompile.distributed.parallelize import parallelize
+    from tqcompile.demo import parallelize
 
     class Llama(nn.Module):
         def __init__(self):
             super().__init__()
             self.layers = nn.ModuleList([nn.Linear(8, 8)])
 
-    with pytest.raises(TypeError, match=r"shards tqcompile\.models\.GPT only, got Llama; for your own model.*fully_shard"):
+    with pytest.raises(TypeError, match=r"shards tqcompile\.demo\.GPT only, got Llama; for your own model.*fully_shard"):
         parallelize(Llama(), mesh=None)

@@ -17,18 +17,23 @@ again along its rows) and a RowwiseParallel fc2 (weight split on K). Each rank c
 5. DCP: the fp8_delayed run (fused fc1, which FSDP2 also shards) saved with tq.distributed.checkpoint
    on the 2-D mesh; the parent loads it into one process (parameters, optimizer state and amax
    histories bit for bit), and the ranks load a one-process checkpoint (1 -> TP2xFSDP2, bit for bit);
-6. HSDP on a 2x2 (replicate x shard) mesh: losses equal one process; the amax group is the shard dim's.
+6. HSDP on a 2x2 (replicate x shard) mesh: losses equal one process; the amax group is the shard dim's;
+7. test_tp_gloo.py's GPT with TP=2 inside stock FSDP2=2 (its own test below): losses follow one process.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_tp_gloo import CFG as GPT_CFG
+from test_tp_gloo import _batches as _gpt_batches
+from test_tp_gloo import _train as _gpt_train
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -36,10 +41,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import tqcompile as tq
-from tqcompile.testing import count_collective_bytes, run_ranks
+from tqcompile.demo import GPT, parallelize_gpt, quantize_model
+from tqcompile.testing import count_collective_bytes, run_checks, run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 WORLD = 4
+# test_tp_gloo.py's GPT run with TP=2 inside FSDP2=2 (recipe -> blocks compiled first).
+GPT_RECIPES = {"mxfp8": False, "fp8_tensorwise": True}
 D, HIDDEN, TOKENS = 256, 256, (2, 128)
 STEPS = 3
 
@@ -357,20 +365,48 @@ def _check_hsdp(rank: int) -> dict:
 def _rank_checks(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    results, timings = {}, {}
-    for name, check in (
+    checks = [
+        *[
+            (f"gpt_tp_inside_fsdp2_{name}", lambda n=name, c=compiled: _check_gpt_tp_inside_fsdp2(mesh, n, c))
+            for name, compiled in GPT_RECIPES.items()
+        ],
         ("outlier", lambda: _check_planted_outlier(rank, mesh)),
         ("cut_blocks", lambda: _check_cut_blocks(rank, mesh)),
         ("parity", lambda: _check_parity(rank, mesh)),
         ("dcp", lambda: _check_dcp(rank, out_dir)),
         ("bytes", lambda: _check_bytes(rank, mesh)),
         ("hsdp", lambda: _check_hsdp(rank)),
-    ):
-        start = time.perf_counter()
-        results[name] = check()
-        timings[name] = time.perf_counter() - start
-    results["timings"] = timings
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    ]
+    torch.save(run_checks(rank, checks), f"{out_dir}/rank{rank}.pt")
+
+
+def _check_gpt_tp_inside_fsdp2(mesh, name: str, compiled: bool) -> tuple:
+    """test_tp_gloo.py's GPT, one recipe, TP=2 inside stock `fully_shard` on the dp dim (the same
+    batch on both dp ranks; its blocks compiled first when `compiled`): the losses against the
+    single-process run, and the compile counts after step 1."""
+    torch.compiler.reset()  # the counts below are this check's alone, as in a process of its own
+    batches = _gpt_batches(2)
+    cfg = dataclasses.replace(GPT_CFG, n_layer=1)
+    torch.manual_seed(0)
+    ref = quantize_model(GPT(cfg), tq.recipes.get(name))
+    model = parallelize_gpt(copy.deepcopy(ref), mesh["tp"])
+    counter = CompileCounter("aot_eager")
+    for block in model.blocks:  # compile, then shard: the torchtitan order
+        if compiled:
+            block.compile(backend=counter, fullgraph=True)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ref_losses = _gpt_train(ref, batches)
+    losses = _gpt_train(model, batches[:1])  # SGD keeps no state: two calls are two steps
+    graphs_after_step_1 = counter.frame_count
+    losses += _gpt_train(model, batches[1:])
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=0)  # the bound of _check_parity
+    new_graphs = counter.frame_count - graphs_after_step_1
+    return (
+        [x.item() for x in losses],
+        (graphs_after_step_1 > 0, new_graphs, counter.recompiles, counter.graph_breaks),
+    )
 
 
 def _snapshot(model, opt) -> tuple[dict, dict]:
@@ -417,11 +453,19 @@ def _check_pieces(ranks: list, which: int, state: dict, optim: dict, what: str) 
         assert_bitwise_equal(got, want, f"rank {r}: {what}")
 
 
-def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
-    start = time.perf_counter()
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> tuple[list, Path, tuple[dict, dict]]:
+    """One spawn of four ranks for both tests (starting four processes is a large part of either):
+    (the ranks' results, their directory, the one-process checkpoint they loaded)."""
+    tmp_path = tmp_path_factory.mktemp("tp_fsdp")
     single = _single_process_checkpoint(tmp_path / "single")
     tq.distributed.checkpoint.save(_odd_fused(2), None, tmp_path / "odd_single")
-    ranks = run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=600)
+    return run_ranks(_rank_checks, WORLD, tmp_path, deadline_s=600), tmp_path, single
+
+
+def test_tp_x_fsdp2_and_hsdp_four_ranks(spawned):
+    start = time.perf_counter()
+    ranks, tmp_path, single = spawned
     res = ranks[0]
     for name in RECIPES:
         assert all(r["parity"][name][0] == res["parity"][name][0] for r in ranks), f"{name}: ranks' losses differ"
@@ -445,3 +489,16 @@ def test_tp_x_fsdp2_and_hsdp_four_ranks(tmp_path):
     print("weight all-gather bytes / bf16:", {k: round(v, 3) if k != "bf16" else v for k, v in res["bytes"].items()})
     print("seconds per check (rank 0):", {k: round(v, 1) for k, v in res["timings"].items()})
     print(f"test total: {time.perf_counter() - start:.1f} s")
+
+
+def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(spawned):
+    """TP=2 inside, stock `fully_shard` on the dp dim outside: the losses follow the single-process
+    run; blocks compiled before sharding keep no breaks (its checks run in the spawn above)."""
+    ranks = [{name: r[f"gpt_tp_inside_fsdp2_{name}"] for name in GPT_RECIPES} for r in spawned[0]]
+    for r, res in enumerate(ranks):
+        assert res == ranks[0], f"rank {r} disagrees with rank 0: {res} vs {ranks[0]}"
+        # Compiled in step 1 (FSDP2's hooks around the block are traced as frames of their own),
+        # then nothing new: no graphs, no recompiles, no graph breaks.
+        counts = res["fp8_tensorwise"][1]
+        assert counts == (True, 0, 0, 0), f"rank {r}: (compiled, new graphs after step 1, recompiles, graph breaks) = {counts}"
+    print("\nTP=2 x FSDP2=2 losses:", ranks[0])

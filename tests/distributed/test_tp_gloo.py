@@ -15,14 +15,12 @@ What each rank checks:
 5. compile: the TP blocks compiled with fullgraph=True: no graph breaks, no recompiles;
 6. bad input: a group this rank is not in, shards that cut blocks, wrong meshes and styles.
 
-A second spawn (4 ranks) runs TP=2 inside stock FSDP2 on a 2-D mesh.
+(TP=2 inside stock FSDP2 on a 2-D mesh runs in the four-rank spawn of test_tp_fsdp_gloo.py.)
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import time
 
 import pytest
 import torch
@@ -35,9 +33,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tqcompile as tq
+from tqcompile.demo import GPT, GPTConfig, parallelize_gpt, quantize_model
 from tqcompile.distributed import tp_comm
-from tqcompile.models import GPT, GPTConfig, parallelize_gpt, quantize_model
-from tqcompile.testing import run_ranks
+from tqcompile.testing import run_checks, run_ranks
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 WORLD = 2
@@ -446,9 +444,7 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (WORLD,))
     group = mesh.get_group().group_name
-    results = {}
-    timings = {}
-    for name, check in (
+    checks = [
         ("scales", lambda: _check_scales(rank, group)),
         ("bad_input", lambda: _check_bad_input(rank, mesh)),
         ("bytes", lambda: _check_bytes(rank, mesh)),
@@ -457,46 +453,8 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         ("parity", lambda: _check_parity(rank, mesh)),
         ("compile", lambda: _check_compile(rank, mesh)),
         ("fused_checkpoint", lambda: _check_fused_checkpoint(rank, mesh, out_dir)),
-    ):
-        start = time.perf_counter()
-        results[name] = check()
-        timings[name] = time.perf_counter() - start
-    results["timings"] = timings
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
-
-
-# --- TP x FSDP2 on a 2-D mesh -------------------------------------------------------------------------
-def _rank_checks_2d(rank: int, out_dir: str) -> None:
-    """TP=2 inside, stock `fully_shard` on the dp dim outside (the same batch on both dp ranks):
-    the losses follow the single-process run; blocks compiled before sharding keep no breaks."""
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("dp", "tp"))
-    cfg = dataclasses.replace(CFG, n_layer=1)
-    batches = _batches(2)
-    results = {}
-    for name, compiled in (("mxfp8", False), ("fp8_tensorwise", True)):
-        torch.manual_seed(0)
-        ref = quantize_model(GPT(cfg), tq.recipes.get(name))
-        model = parallelize_gpt(copy.deepcopy(ref), mesh["tp"])
-        counter = CompileCounter("aot_eager")
-        for block in model.blocks:  # compile, then shard: the torchtitan order
-            if compiled:
-                block.compile(backend=counter, fullgraph=True)
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        ref_losses = _train(ref, batches)
-        losses = _train(model, batches[:1])  # SGD keeps no state: two calls are two steps
-        graphs_after_step_1 = counter.frame_count
-        losses += _train(model, batches[1:])
-        for a, b in zip(losses, ref_losses):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=0)  # the bound of _check_parity
-        new_graphs = counter.frame_count - graphs_after_step_1
-        results[name] = (
-            [x.item() for x in losses],
-            (graphs_after_step_1 > 0, new_graphs, counter.recompiles, counter.graph_breaks),
-        )
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    ]
+    torch.save(run_checks(rank, checks), f"{out_dir}/rank{rank}.pt")
 
 
 def test_tensor_parallel_two_ranks(tmp_path):
@@ -518,14 +476,3 @@ def test_tensor_parallel_two_ranks(tmp_path):
     print("SP all-gather bytes / bf16 (forward, training step):", ranks[0]["bytes"])
     print("all-gathers per step, shared vs per layer:", ranks[0]["shared"])
     print("seconds per check (rank 0):", {k: round(v, 1) for k, v in ranks[0]["timings"].items()})
-
-
-def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(tmp_path):
-    ranks = run_ranks(_rank_checks_2d, 2 * WORLD, tmp_path, deadline_s=DEADLINE_S)
-    for r, res in enumerate(ranks):
-        assert res == ranks[0], f"rank {r} disagrees with rank 0: {res} vs {ranks[0]}"
-        # Compiled in step 1 (FSDP2's hooks around the block are traced as frames of their own),
-        # then nothing new: no graphs, no recompiles, no graph breaks.
-        counts = res["fp8_tensorwise"][1]
-        assert counts == (True, 0, 0, 0), f"rank {r}: (compiled, new graphs after step 1, recompiles, graph breaks) = {counts}"
-    print("\nTP=2 x FSDP2=2 losses:", ranks[0])
