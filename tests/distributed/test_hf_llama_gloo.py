@@ -1,14 +1,14 @@
 """A Hugging Face Llama (built from a config) under FSDP2 and TP on 2 gloo ranks (issue 15).
 
-One spawn runs every check in turn; each rank records, per named check, its result or the error
-it raised, so a failure names the check. The last check leaves the process group broken on
-purpose (a rank that never converted the model), so it runs last.
+One spawn runs every check in turn (`run_checks`: a failure names the check and the rank). The
+last check leaves the process group broken on purpose (a rank that never converted the model), so
+it runs last.
 """
 
 import copy
+import functools
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -18,11 +18,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import tqcompile as tq
-from tqcompile.testing.distributed import run_ranks
+from tqcompile.testing.distributed import run_checks, run_ranks
 
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docs" / "examples"))
 from tensor_parallel_hf_llama import keep_lm_head, parallelize_llama, tiny_llama  # noqa: E402
 
 
@@ -131,24 +131,9 @@ def _fsdp_peer_unconverted(rank, mesh) -> tuple[str, str, float]:
 def _checks(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    results = {}
-    for name, check in [
-        ("sp_parity", _sp_parity),
-        ("hf_checkpointing_fsdp", _hf_checkpointing_fsdp),
-        ("disagreements", _disagreements),
-        ("fsdp_peer_unconverted", _fsdp_peer_unconverted),  # last: it breaks the process group
-    ]:
-        try:
-            results[name] = check(rank, mesh)
-        except Exception:  # noqa: BLE001 - recorded under the check's name, asserted in the test
-            results[name] = f"check {name!r} raised on rank {rank}:\n{traceback.format_exc()}"
+    checks = [_sp_parity, _hf_checkpointing_fsdp, _disagreements, _fsdp_peer_unconverted]  # the last breaks the group
+    results = run_checks(rank, [(check.__name__.lstrip("_"), functools.partial(check, rank, mesh)) for check in checks])
     torch.save(results, f"{out_dir}/rank{rank}.pt")
-
-
-def _result(ranks: list[dict], name: str, rank: int):
-    value = ranks[rank][name]
-    assert not (isinstance(value, str) and value.startswith("check ")), value
-    return value
 
 
 def test_hf_llama_two_ranks(tmp_path):
@@ -156,21 +141,21 @@ def test_hf_llama_two_ranks(tmp_path):
 
     for rank in range(2):
         # Item 3 and 5: the documented HF plan, with the shared q/k/v gather, equals one process.
-        for name, ((tp, tp_bad), (single, single_bad)) in _result(ranks, "sp_parity", rank).items():
+        for name, ((tp, tp_bad), (single, single_bad)) in ranks[rank]["sp_parity"].items():
             assert tp_bad == single_bad == 0, name
             # The bound of docs/tensor_parallel.md ("Parity with the single-process run").
             torch.testing.assert_close(torch.tensor(tp), torch.tensor(single), rtol=1e-3, atol=0, msg=name)
         # Item 1: HF's checkpointing is found; no NaN, and FSDP2 equals one process bit for bit.
-        ckpt = _result(ranks, "hf_checkpointing_fsdp", rank)
+        ckpt = ranks[rank]["hf_checkpointing_fsdp"]
         (fsdp_losses, bad) = ckpt["fsdp"]
         assert bad == 0
         assert fsdp_losses == ckpt["single"]
 
         # Item 2: every disagreement raises our ValueError on every rank, naming the layer and both values.
-        errors = _result(ranks, "disagreements", rank)
+        errors = ranks[rank]["disagreements"]
         kind, msg = errors["tp_recipe"]
         assert kind == "ValueError" and "recipe: rank 0 has 'fp8_tensorwise'" in msg and "rank 1 has 'fp8_delayed'" in msg, msg
-        assert msg.startswith("ColwiseParallel on Linear(") or msg.startswith("PrepareModuleInput"), msg
+        assert msg.startswith("PrepareModuleInput on LlamaDecoderLayer: "), msg  # the first style of the plan
         kind, msg = errors["tp_plan"]
         assert kind == "ValueError" and "rank 0 has ColwiseParallel(" in msg and "rank 1 has RowwiseParallel(" in msg, msg
         kind, msg = errors["tp_unconverted"]
@@ -181,7 +166,7 @@ def test_hf_llama_two_ranks(tmp_path):
 
     # A rank that never converted: the converted one names the layer and the missing rank; the other
     # fails in FSDP2's all-gather as soon as its peer leaves (nothing waits for the process group timeout).
-    kind, msg, _ = _result(ranks, "fsdp_peer_unconverted", 0)
+    kind, msg, _ = ranks[0]["fsdp_peer_unconverted"]
     assert kind == "ValueError" and "rank(s) [1] did not reach" in msg and "tq FSDP2 quantized all-gather: layer" in msg, msg
-    kind, msg, _ = _result(ranks, "fsdp_peer_unconverted", 1)
+    kind, msg, _ = ranks[1]["fsdp_peer_unconverted"]
     assert kind == "RuntimeError", msg
