@@ -47,13 +47,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import zlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from tqcompile.distributed.agreement import check_ranks_agree, recipe_fact
 from tqcompile.distributed.fsdp_amax import WeightAmaxCache
 from tqcompile.distributed.fsdp_layout import (
     USAGE_PARTS,
@@ -118,23 +117,6 @@ def quantized_all_gather_reason(recipe: Recipe) -> str | None:
     if q.needs_seed() or q.hadamard_transformed():
         return f"{q!r} uses stochastic rounding or a Hadamard transform; its weight is quantized after the gather"
     return None
-
-
-def _check_ranks_agree(q: Quantizer, group: dist.ProcessGroup, layer: str) -> None:
-    """Once per weight, at its first gather: every rank of the shard group quantizes it the same way.
-    Ranks that disagree would exchange buffers of different layouts (or sizes, which can hang);
-    each rank sees every rank's fingerprint, so all of them raise together."""
-    mine = torch.tensor([zlib.crc32(repr(q).encode())], dtype=torch.int64)
-    every = torch.empty(group.size(), dtype=torch.int64)
-    # all_gather_single: all_gather_into_tensor is deprecated in torch 2.13; older versions may lack the new name.
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=group)
-    differ = [r for r, h in enumerate(every.tolist()) if h != every[0].item()]
-    if differ:
-        raise ValueError(
-            f"tq FSDP2 quantized all-gather: layer {layer!r}: the ranks of the shard group quantize this weight "
-            f"differently (ranks {differ} differ from rank 0; this rank uses {q!r}). Convert the model with the "
-            "same recipe on every rank."
-        )
 
 
 class QuantizedAllGatherWarning(UserWarning):
@@ -229,7 +211,14 @@ class QuantizedWeight(torch.Tensor):
                 "all-gather, which changes what it moves; set it before the first forward"
             )
         if self._buffer_bytes is None:
-            _check_ranks_agree(self.quantizer, group, self.layer)
+            # Once per weight, before its first gather: ranks that quantize it differently would
+            # exchange buffers of other layouts or sizes (a gloo abort), or train silently apart.
+            facts = {
+                "recipe": recipe_fact(getattr(module, "recipe", None)),
+                "weight quantizer": repr(self.quantizer),
+                "all-gather": f"quantized, {plan.buffer_bytes} bytes per rank",
+            }
+            check_ranks_agree(group, "FSDP2 all-gather", f"tq FSDP2 quantized all-gather: layer {self.layer!r}", facts)
         self._buffer_bytes = plan.buffer_bytes
         param_dtype = mp_policy.param_dtype or self.dtype
         if plan.high_precision:

@@ -17,6 +17,8 @@ before any recompute has happened, so the decision is made from the module struc
   modules are looked through: their `_orig_mod` is a child module). A checkpoint *around* several
   units matters too: the non-reentrant checkpoint recomputes them when a unit's backward first
   needs a saved tensor, after that unit's pre-backward gather;
+- a Hugging Face transformers decoder layer (`GradientCheckpointingLayer`) after
+  `model.gradient_checkpointing_enable()`, which checkpoints its own forward;
 - or the layer marked with `recompute_in_backward`, for what the structure cannot show
   (`torch.utils.checkpoint.checkpoint` called inside a forward).
 
@@ -27,6 +29,7 @@ instead of silently changing nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 from torch import nn
@@ -98,7 +101,23 @@ def _checkpoints_forward(module: nn.Module) -> bool:
     from torch.distributed._composable.contract import _get_registry
 
     registry = _get_registry(module)
-    return registry is not None and "checkpoint" in registry
+    if registry is not None and "checkpoint" in registry:
+        return True
+    return _hf_checkpointed(module)
+
+
+def _hf_checkpointed(module: nn.Module) -> bool:
+    """A Hugging Face transformers layer after `model.gradient_checkpointing_enable()`.
+
+    transformers (checked on 5.23) wraps the `forward` of every `GradientCheckpointingLayer` (each
+    decoder layer) in `torch.utils.checkpoint` while the layer's `gradient_checkpointing` is True and
+    it trains; inside a compiled layer the recompute then runs in the compiled backward, where no
+    check of ours can run, so it must be found here. tqcompile does not import transformers: a
+    model's layer can only be one if transformers is already imported.
+    """
+    layers = sys.modules.get("transformers.modeling_layers")
+    base = getattr(layers, "GradientCheckpointingLayer", None)
+    return base is not None and isinstance(module, base) and getattr(module, "gradient_checkpointing", False) is True
 
 
 def _path(top: nn.Module, layer: nn.Module) -> list[nn.Module] | None:

@@ -32,6 +32,7 @@ from torch.distributed.tensor import parallel as _tp
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tqcompile.distributed import tp_comm
+from tqcompile.distributed.agreement import check_ranks_agree, recipe_fact
 from tqcompile.distributed.fsdp import QuantizedWeight
 from tqcompile.distributed.tp_linear import (
     REPLICATE,
@@ -83,6 +84,28 @@ def _norm(p: Placement | None, default: Placement, ndim: int = 3) -> Placement:
 
 def _describe(module: nn.Module) -> str:
     return f"{type(module).__name__}(in_features={module.in_features}, out_features={module.out_features}, recipe={module.recipe.name})"
+
+
+def _facts(module: nn.Module) -> dict[str, str]:
+    """What ranks must agree on about a module they parallelize: its kind and shape, and the
+    recipes of the converted layers in it (a style such as `QuantizedSequenceParallelInput` takes
+    its recipe from them)."""
+    kind = type(module).__name__
+    if hasattr(module, "in_features"):
+        kind += f"(in_features={module.in_features}, out_features={module.out_features})"
+    recipes = sorted({recipe_fact(m.recipe) for m in module.modules() if is_converted(m)})
+    return {"module": kind, "recipe": ", ".join(recipes) or "not converted"}
+
+
+def _agree(style: _tp.ParallelStyle, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Before any collective: every rank applies the same style, with the same arguments, to the
+    same kind of module converted the same way (`tqcompile.distributed.agreement`)."""
+    if mesh.ndim != 1:
+        return  # every style here refuses it, alike on every rank
+    args = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(style).items()) if not k.startswith("_"))
+    facts = {"style": f"{type(style).__name__}({args})", **_facts(module)}
+    what = f"{type(style).__name__} on {facts['module']}"
+    check_ranks_agree(mesh.get_group(), "tensor-parallel", what, facts)
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
@@ -176,6 +199,7 @@ class ColwiseParallel(_tp.ColwiseParallel):
         self._input_layout, self._output_layout = input_layouts, output_layouts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _agree(self, module, device_mesh)
         if not isinstance(module, Linear):
             if is_converted(module):
                 raise TypeError(
@@ -238,6 +262,7 @@ class RowwiseParallel(_tp.RowwiseParallel):
         self._input_layout, self._output_layout = input_layouts, output_layouts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _agree(self, module, device_mesh)
         if not isinstance(module, Linear):
             if is_converted(module):
                 raise TypeError(
@@ -282,6 +307,7 @@ class SequenceParallel(_tp.SequenceParallel):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _agree(self, module, device_mesh)
         if is_converted(module):
             raise TypeError(
                 f"SequenceParallel: {type(module).__name__} is a quantized layer; use ColwiseParallel(input_layouts=Shard(1)) "
@@ -296,6 +322,10 @@ class PrepareModuleInput(_tp.PrepareModuleInput):
     block. To quantize a sequence-split input once and all-gather it quantized for several
     consumers, use `QuantizedSequenceParallelInput`.
     """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _agree(self, module, device_mesh)
+        return super()._apply(module, device_mesh)
 
 
 def _common_recipe(module: nn.Module) -> Recipe:
@@ -322,15 +352,21 @@ class QuantizedSequenceParallelInput(_tp.ParallelStyle):
     (or `recipe`). Recipes with delayed scaling (one amax history per layer) or a high-precision
     wgrad (which needs the high-precision input gathered) are refused: shard their consumers with
     `ColwiseParallel(input_layouts=Shard(1))` instead.
+
+    The input is the module's first positional argument or, when it is called with keywords only
+    (Hugging Face calls ``self_attn(hidden_states=..., ...)``), the keyword argument `input_kwarg`.
     """
 
-    def __init__(self, *, sequence_dim: int = 1, recipe: Recipe | None = None):
+    def __init__(self, *, sequence_dim: int = 1, recipe: Recipe | None = None, input_kwarg: str = "hidden_states"):
         super().__init__()
         if sequence_dim != 1:
             raise ValueError(f"QuantizedSequenceParallelInput: sequence_dim={sequence_dim}; allowed: 1 (batch, seq, features)")
-        self.sequence_dim, self.recipe = sequence_dim, recipe
+        if not isinstance(input_kwarg, str) or not input_kwarg.isidentifier():
+            raise ValueError(f"QuantizedSequenceParallelInput: input_kwarg={input_kwarg!r}; allowed: a keyword argument name")
+        self.sequence_dim, self.recipe, self.input_kwarg = sequence_dim, recipe, input_kwarg
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _agree(self, module, device_mesh)
         group, world = _group(device_mesh, "QuantizedSequenceParallelInput")
         recipe = self.recipe or _common_recipe(module)
         if recipe.amax_history_len or recipe.wgrad_input is None:
@@ -341,15 +377,24 @@ class QuantizedSequenceParallelInput(_tp.ParallelStyle):
             )
         seq_dim, what = self.sequence_dim, f"QuantizedSequenceParallelInput on {type(module).__name__}"
 
-        def gather(mod, args):
-            if not args:
-                raise ValueError(f"{what}: the module must get its input as the first positional argument")
-            x = args[0]
+        key = self.input_kwarg
+
+        def gathered(x):
             if isinstance(x, DTensor):
                 if tuple(x.placements) != (Shard(seq_dim),):
                     raise ValueError(f"{what}: input is a DTensor placed {x.placements}; expected (Shard({seq_dim}),)")
                 x = x.to_local()
-            return (gather_input(x, recipe, group, world, seq_dim, what), *args[1:])
+            return gather_input(x, recipe, group, world, seq_dim, what)
 
-        module.register_forward_pre_hook(gather)
+        def gather(mod, args, kwargs):
+            if args:
+                return (gathered(args[0]), *args[1:]), kwargs
+            if key in kwargs:
+                return args, {**kwargs, key: gathered(kwargs[key])}
+            raise ValueError(
+                f"{what}: the module got no positional argument and no keyword argument {key!r} (it got "
+                f"{sorted(kwargs)}); pass the input first, or name its keyword with input_kwarg="
+            )
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
         return module

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 __all__ = ["CollectiveBytes", "count_collective_bytes"]
@@ -113,6 +114,11 @@ class CollectiveBytes:
 
 
 class _CountingMode(TorchDispatchMode):
+    # Higher-order ops reach `__torch_dispatch__` too, instead of failing with "no rule registered for
+    # HigherOrderOperator ... and mode": a compiled forward with activation checkpointing around a
+    # random op runs `run_and_save_rng_state` / `run_with_rng_state`, which carry no collective.
+    supports_higher_order_operators = True
+
     def __init__(self, record: CollectiveBytes) -> None:
         super().__init__()
         self.record = record
@@ -129,6 +135,10 @@ class _CountingMode(TorchDispatchMode):
             # issues (DTensor's redistributions) then come back here as ops on plain tensors.
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if isinstance(func, HigherOrderOperator):
+            # It ran below this mode: a collective inside its subgraph is not seen here. The ones
+            # compiled graphs hold (torch 2.11-2.13: the rng ops of checkpointing) have none.
+            return out
         packet = getattr(func, "_overloadpacket", None)
         if packet in _C10D:
             kind, index = _C10D[packet]
