@@ -115,7 +115,7 @@ def _table_rows(out: str) -> tuple[str, dict[str, list[str]]]:
     return header, rows
 
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _documented_megabytes(layout: str) -> dict[str, str]:
