@@ -265,6 +265,14 @@ class Quantizer(OpaqueBase):
             if f.name in fields and getattr(self, f.name) != f.default:
                 object.__setattr__(self, f.name, f.default)
 
+    def _check_layout(self, formats: tuple[Format, ...], granularities: tuple[Granularity, ...]) -> None:
+        """The fields of the quantizers with a free layout (FP8, INT): format, granularity, block_size, axis."""
+        self._check_enum("format", formats)
+        self._check_enum("granularity", granularities)
+        self._check_int("block_size", 1)
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise _bad(type(self).__name__, "axis", self.axis, "an int")
+
     def _canonicalize_layout(self) -> None:
         """`axis` matters only for ROWWISE, `block_size` only for the block granularities."""
         gran = self.granularity
@@ -301,11 +309,7 @@ class Float8Quantizer(Quantizer):
     amax_epsilon: float = 1e-12
 
     def __post_init__(self) -> None:
-        self._check_enum("format", (Format.E4M3, Format.E5M2))
-        self._check_enum("granularity", tuple(Granularity))
-        self._check_int("block_size", 1)
-        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
-            raise _bad("Float8Quantizer", "axis", self.axis, "an int")
+        self._check_layout((Format.E4M3, Format.E5M2), tuple(Granularity))
         self._check_bool("power_of_two_scale")
         self._check_epsilon(self.format.max_value)
         self._canonicalize_layout()
@@ -407,11 +411,7 @@ class IntQuantizer(Quantizer):
     amax_epsilon: float = 1e-12
 
     def __post_init__(self) -> None:
-        self._check_enum("format", (Format.INT8, Format.INT4))
-        self._check_enum("granularity", (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE_1D))
-        self._check_int("block_size", 1)
-        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
-            raise _bad("IntQuantizer", "axis", self.axis, "an int")
+        self._check_layout((Format.INT8, Format.INT4), (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE_1D))
         self._check_epsilon(self.format.max_value)
         self._canonicalize_layout()
 
