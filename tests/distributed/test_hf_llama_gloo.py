@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -19,8 +18,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import tqcompile as tq
 from tqcompile.testing.distributed import run_checks, run_ranks
-
-pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docs" / "examples"))
 from tensor_parallel_hf_llama import keep_lm_head, parallelize_llama, tiny_llama  # noqa: E402
