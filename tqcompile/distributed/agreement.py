@@ -30,16 +30,16 @@ import zlib
 
 import torch.distributed as dist
 
+from tqcompile.recipes import Recipe
+
 __all__ = ["TIMEOUT_S", "check_ranks_agree", "recipe_fact"]
 
 TIMEOUT_S = 60.0
 
 
-def recipe_fact(recipe) -> str:
+def recipe_fact(recipe: Recipe | None) -> str:
     """How a module is converted, for `check_ranks_agree`: its recipe's name and a checksum of its
     repr (which catches two custom recipes of one name), or "not converted"."""
-    from tqcompile.recipes import Recipe
-
     if not isinstance(recipe, Recipe):
         return "not converted"
     return f"{recipe.name!r} (#{zlib.crc32(repr(recipe).encode()):08x})"
