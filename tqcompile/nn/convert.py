@@ -31,6 +31,7 @@ from torch.nn.parameter import is_lazy
 
 from tqcompile.nn.attention import QuantizedMultiheadAttention, QuantizedTransformerEncoderLayer, mha_unsupported_reason
 from tqcompile.nn.base import is_converted
+from tqcompile.nn.experts import QuantizedExperts, experts_layout, experts_unsupported_reason
 from tqcompile.nn.linear import Linear
 from tqcompile.recipes import Recipe
 
@@ -93,10 +94,18 @@ def register_converter(
     return deco
 
 
+# Converters that recognise a module by its structure rather than its class (experts modules
+# are plain nn.Modules of many classes): (predicate, entry), asked after the class registry.
+_STRUCTURAL: list[tuple[Callable[[nn.Module], bool], _Entry]] = []
+
+
 def _entry_for(module: nn.Module) -> _Entry | None:
     for cls in type(module).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
+    for matches, entry in _STRUCTURAL:
+        if matches(module):
+            return entry
     return None
 
 
@@ -118,7 +127,9 @@ def _reduce_ex_converted(self, protocol: int):
 
 
 def _quantized_class(cls: type, quantized_cls: type) -> type:
-    """`quantized_cls` for its own float class, else a class inheriting from both `cls` and `quantized_cls`."""
+    """`quantized_cls` for its own float class, else a class inheriting from both `cls` and
+    `quantized_cls` (`quantized_cls` first when it says ``_tq_mixin_first``: its forward then
+    replaces the class's own, as for experts modules)."""
     if issubclass(quantized_cls, cls):
         return quantized_cls
     key = (cls, quantized_cls)
@@ -129,7 +140,8 @@ def _quantized_class(cls: type, quantized_cls: type) -> type:
             "_tq_float_class": cls,
             "_tq_quantized_class": quantized_cls,
         }
-        _SUBCLASS_CACHE[key] = type(f"Quantized{cls.__name__}", (cls, quantized_cls), namespace)
+        bases = (quantized_cls, cls) if getattr(quantized_cls, "_tq_mixin_first", False) else (cls, quantized_cls)
+        _SUBCLASS_CACHE[key] = type(f"Quantized{cls.__name__}", bases, namespace)
     return _SUBCLASS_CACHE[key]
 
 
@@ -178,6 +190,15 @@ def _mha_reason(module: nn.Module, recipe: Recipe) -> str | None:
 def _convert_mha(module: nn.Module, recipe: Recipe) -> None:
     module.__class__ = _quantized_class(type(module), QuantizedMultiheadAttention)
     module._init_quantized(recipe)
+
+
+def _convert_experts(module: nn.Module, recipe: Recipe) -> None:
+    layout = experts_layout(module)
+    module.__class__ = _quantized_class(type(module), QuantizedExperts)
+    module._init_quantized(recipe, layout)
+
+
+_STRUCTURAL.append((lambda m: experts_layout(m) is not None, _Entry(_convert_experts, experts_unsupported_reason)))
 
 
 def _convert_encoder_layer(module: nn.Module, recipe: Recipe) -> None:
