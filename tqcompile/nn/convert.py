@@ -283,7 +283,75 @@ def conversion_plan(
         read = [_child_name(name, c) for c in entry.reads_weights_of(module)]
         if entry.adapter_only and name in plan and not any(plan.get(c) and plan[c].action != "skip" for c in read):
             del plan[name]  # nothing under it runs quantized: there is nothing to adapt
+    for name, reason in _left_alone(modules, plan, filter_fn).items():
+        plan[name] = PlannedConversion(name, type(modules[name]).__name__, "skip", reason)
     return [plan[name] for name in modules if name in plan]
+
+
+_ROUTER = (
+    "an MoE router: its logits choose the experts, so it stays in high precision (as Transformer Engine and torchao "
+    "keep routers); nothing to do"
+)
+_CONV = (
+    "a convolution (e.g. a patch embedding): tq.convert's recipes quantize the GEMMs of linear layers and experts; "
+    "it runs in high precision"
+)
+
+
+def _routers(modules: dict[str, nn.Module]) -> set[str]:
+    """Names of the MoE routers: siblings of an experts module whose weight has one row per expert."""
+    routers = set()
+    for name, module in modules.items():
+        layout = experts_layout(module)
+        if layout is None:
+            continue
+        num_experts = module._parameters[layout.gemms[0].weight].shape[0]
+        parent = name.rpartition(".")[0]
+        for child_name, child in modules[parent]._modules.items():
+            w = None if child is None or child is module else child._parameters.get("weight")
+            if w is not None and w.dim() == 2 and w.shape[0] == num_experts:
+                routers.add(_child_name(parent, child_name))
+    return routers
+
+
+def _left_alone(
+    modules: dict[str, nn.Module], plan: dict[str, PlannedConversion], filter_fn: Callable[[nn.Module, str], bool] | None
+) -> dict[str, str]:
+    """{name: why} of the layers holding GEMM weights that tq.convert leaves in high precision by
+    design or for want of a converter: MoE routers, convolutions, other modules with 3-D
+    parameters. Reported (in the plan and the warning), never silent; `filter_fn` exclusions are the
+    user's own choice and are not."""
+    routers = _routers(modules)
+    out: dict[str, str] = {}
+    for name, module in modules.items():
+        if filter_fn is not None and not filter_fn(module, name):
+            continue
+        if name in routers and (name not in plan or plan[name].action == "convert"):
+            out[name] = _ROUTER
+        elif name in plan or is_converted(module):
+            continue
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            out[name] = _CONV
+        else:
+            stacked = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
+            if stacked:
+                out[name] = (
+                    f"holds 3-D parameters {stacked} that no tqcompile converter recognises (an experts module must look like "
+                    "transformers' use_experts_implementation classes or torchtitan's GroupedExperts; docs/moe.md)"
+                )
+    return out
+
+
+def _grouped_lines(skipped: list[PlannedConversion]) -> str:
+    """One line per (type, reason), naming its layers (the first three, then how many more)."""
+    by_reason: dict[tuple[str, str], list[str]] = {}
+    for p in skipped:
+        by_reason.setdefault((p.module_type, p.reason), []).append(p.name or "<root>")
+    lines = []
+    for (module_type, reason), names in by_reason.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        lines.append(f"  {', '.join(names[:3])}{more} ({module_type}): {reason}")
+    return "\n".join(lines)
 
 
 def convert_layers(
@@ -317,7 +385,7 @@ def convert_layers(
                 module.use_nested_tensor = False
     skipped = [p for p in plan if p.action == "skip"]
     if skipped:
-        lines = "\n".join(f"  {p.name or '<root>'} ({p.module_type}): {p.reason}" for p in skipped)
+        lines = _grouped_lines(skipped)
         # stacklevel 3: the caller of tq.convert.
         warnings.warn(f"tq.convert left {len(skipped)} layer(s) in high precision:\n{lines}", ConversionWarning, stacklevel=3)
     return plan
