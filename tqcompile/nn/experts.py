@@ -31,7 +31,16 @@ from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.grouped import grouped_linear, grouped_unsupported_reason
 from tqcompile.recipes import Recipe
 
-__all__ = ["ExpertGemm", "ExpertsLayout", "experts_layout", "QuantizedExperts", "experts_unsupported_reason", "sort_by_expert"]
+__all__ = [
+    "ExpertGemm",
+    "ExpertsLayout",
+    "experts_layout",
+    "ExpertsRouting",
+    "QuantizedExperts",
+    "experts_unsupported_reason",
+    "expert_weight",
+    "sort_by_expert",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +70,7 @@ def _param3d(module: nn.Module, name: str) -> bool:
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The `ExpertsLayout` of a Hugging Face or torchtitan experts module, or None if `module` is not one."""
-    if isinstance(module, QuantizedExperts):
+    if isinstance(module, ExpertsRouting):
         return module.tq_experts_layout
     if all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias", "_apply_gate")):
         first = "gate_up_proj" if module.has_gate else "up_proj"
@@ -113,16 +122,37 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     return perm, counts
 
 
-class QuantizedExperts(QuantizedModule):
-    """Mixin `tq.convert` puts *before* an experts module's own class (see the module docstring):
-    its `forward` runs the module's routing with every expert GEMM quantized per expert.
+def expert_weight(module: nn.Module, gemm: ExpertGemm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of one expert GEMM: the (E, out, in) weight (a view of a transposed
+    parameter) and the (E, out) bias or None."""
+    w = module._parameters[gemm.weight]
+    return (w.transpose(1, 2) if gemm.transposed else w), (None if gemm.bias is None else module._parameters[gemm.bias])
 
-    A subclass (the fake-quantized experts of `tq.calibrate`) changes `_expert_gemm` only.
-    """
+
+class ExpertsRouting:
+    """Mixin placed *before* an experts module's own class: its `forward` runs the module's
+    routing (one implementation per layout, below) and every expert GEMM through
+    `_expert_gemm(index, x_sorted, counts)`, which subclasses define: `QuantizedExperts`
+    (`tq.convert`, quantized per expert) and the fake-quantized experts of `tq.calibrate`."""
 
     tq_experts_layout: ExpertsLayout
+    _tq_mixin_first = True  # the generated class puts this class before the model's own
+
+    def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """GEMM `index` of the layout on tokens `x` sorted by expert, `counts` (int64, (E,)) per expert."""
+        raise NotImplementedError
+
+    def forward(self, *args, **kwargs):
+        if self.tq_experts_layout.style == "hf":
+            return _hf_forward(self, *args, **kwargs)
+        return _torchtitan_forward(self, *args, **kwargs)
+
+
+class QuantizedExperts(ExpertsRouting, QuantizedModule):
+    """Mixin `tq.convert` puts *before* an experts module's own class (see the module docstring):
+    its `forward` runs the module's routing with every expert GEMM quantized per expert."""
+
     amax_group_name: str | None
-    _tq_mixin_first = True  # tq.convert's generated class puts this class before the model's own
 
     def _init_quantized(self, recipe: Recipe, layout: ExpertsLayout) -> None:
         self.recipe = recipe
@@ -130,17 +160,8 @@ class QuantizedExperts(QuantizedModule):
         self.tq_experts_layout = layout
 
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """GEMM `index` of the layout on tokens `x` sorted by expert, `counts` per expert."""
-        g = self.tq_experts_layout.gemms[index]
-        w = self._parameters[g.weight]
-        w = w.transpose(1, 2) if g.transposed else w
-        bias = None if g.bias is None else self._parameters[g.bias]
+        w, bias = expert_weight(self, self.tq_experts_layout.gemms[index])
         return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
-
-    def forward(self, *args, **kwargs):
-        if self.tq_experts_layout.style == "hf":
-            return _hf_forward(self, *args, **kwargs)
-        return _torchtitan_forward(self, *args, **kwargs)
 
 
 def _hf_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
