@@ -324,21 +324,23 @@ def _left_alone(
     routers = _routers(modules)
     out: dict[str, str] = {}
     for name, module in modules.items():
-        if filter_fn is not None and not filter_fn(module, name):
-            continue
+        reason = None
         if name in routers and (name not in plan or plan[name].action == "convert"):
-            out[name] = _ROUTER
+            reason = _ROUTER
         elif name in plan or is_converted(module):
             continue
         elif isinstance(module, nn.modules.conv._ConvNd):
-            out[name] = _CONV
+            reason = _CONV
         else:
             stacked = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
             if stacked:
-                out[name] = (
+                reason = (
                     f"holds 3-D parameters {stacked} that no tqcompile converter recognises (an experts module must look like "
                     "transformers' use_experts_implementation classes or torchtitan's GroupedExperts; docs/moe.md)"
                 )
+        # A router filter_fn already excluded is not in the plan; ask filter_fn about the others only here.
+        if reason is not None and (name in plan or filter_fn is None or filter_fn(module, name)):
+            out[name] = reason
     return out
 
 
