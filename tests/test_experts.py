@@ -184,3 +184,39 @@ def test_training_loss_tracks_float():
     assert losses["mxfp8"][-1] < losses["mxfp8"][0]
     gaps = [abs(a - b) / b for a, b in zip(losses["mxfp8"], losses["float"])]
     assert max(gaps) < 0.02, (losses, gaps)
+
+
+# Models the experts code was not written against: shared experts (Qwen2-MoE), a router that is an
+# nn.Linear one level down (HunYuan: mlp.gate.wg), a router subclassing nn.Linear (PhiMoE), OLMoE.
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    shared_expert_intermediate_size=64,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "olmoe", "hunyuan_v1_moe", "phimoe"])
+def test_other_hf_moe_models_convert_and_report_their_routers(model_type):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING[model_type]()
+    for k, v in TINY.items():
+        if hasattr(cfg, k):
+            setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ref = model(ids).logits
+    plan = tq.nn.conversion_plan(model, tq.recipes.fp8_rowwise())
+    routers = [p.name for p in plan if "MoE router" in p.reason]
+    with pytest.warns(tq.nn.ConversionWarning, match="MoE router"):
+        tq.convert(model, tq.recipes.fp8_rowwise(), filter_fn=lambda m, fqn: "lm_head" not in fqn)
+    experts = experts_modules(model)
+    assert len(experts) == 2 and all(tq.nn.is_converted(m) for _, m in experts)
+    assert len(routers) == 2 and not any(tq.nn.is_converted(dict(model.named_modules())[r]) for r in routers)
+    with torch.no_grad():
+        assert sqnr(model(ids).logits, ref) > 20
+    model.train()(ids, labels=ids).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for _, m in experts for p in m.parameters(recurse=False))
