@@ -255,3 +255,13 @@ def test_deepcopy_and_pickle_keep_the_fake_quant_experts():
             unit = experts_units(other)["model.layers.0.mlp.experts.down_proj_gemm"]
             assert unit.owner is other.model.layers[0].mlp.experts
             assert torch.equal(run(other, x), want)
+
+
+def test_experts_converted_for_training_are_reported_not_silently_skipped():
+    model = build("titan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tq.convert reports the routers it keeps float
+        tq.convert(model, tq.recipes.fp8_tensorwise())
+    with pytest.warns(CalibrationWarning, match=r"blocks\.0\.experts\.w1_gemm \(\w*GroupedExperts\): its experts module was converted"):
+        calibrated = tq.calibrate(model, tq.configs.fp8(), lambda m: m(batches("titan", 1, 0)[0]), progress=False)
+    assert not experts_units(calibrated)

@@ -71,10 +71,15 @@ class _FakeQuantize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.clip:
-            (inside,) = ctx.saved_tensors
-            dy = torch.where(inside, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
-        return dy, None, None, None
+        return _ste_grad(ctx, dy), None, None, None
+
+
+def _ste_grad(ctx, dy: torch.Tensor) -> torch.Tensor:
+    """The straight-through gradient: `dy`, zero where the clipped STE saved that |x| > amax."""
+    if not ctx.clip:
+        return dy
+    (inside,) = ctx.saved_tensors
+    return torch.where(inside, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
 
 
 def fake_quantize(
@@ -113,10 +118,7 @@ class _FakeQuantizeGrouped(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.clip:
-            (inside,) = ctx.saved_tensors
-            dy = torch.where(inside, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
-        return dy, None, None, None, None
+        return _ste_grad(ctx, dy), None, None, None, None
 
 
 def fake_quantize_grouped(

@@ -32,6 +32,7 @@ from torch import nn
 
 from tqcompile.calibration.config import SLOTS
 from tqcompile.calibration.fake_quant import TensorQuantizer
+from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, experts_layout
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.ops.grouped_gemm import expert_ids, grouped_mm
@@ -122,6 +123,11 @@ class _GroupedLinearFQ(FakeQuantModule):
         return _fake_quant_grouped_linear(self, x, torch.cumsum(counts.to(torch.int64), 0), self.weight, self.bias)
 
 
+def _unit_attr(gemm: ExpertGemm) -> str:
+    """The experts module's attribute holding the `ExpertGemmQuantizers` of `gemm`."""
+    return f"{gemm.weight}_gemm"
+
+
 class ExpertGemmQuantizers(FakeQuantModule, nn.Module):
     """The quantizers of one grouped GEMM of a fake-quantized experts module (see the module
     docstring): a child of the experts module named ``<weight>_gemm``, holding `input_quantizer`,
@@ -154,7 +160,7 @@ class ExpertGemmQuantizers(FakeQuantModule, nn.Module):
 
     @property
     def attr_name(self) -> str:
-        return f"{self.gemm.weight}_gemm"
+        return _unit_attr(self.gemm)
 
     def extra_repr(self) -> str:
         e, n, k = self.weight.shape
@@ -168,7 +174,7 @@ class _ExpertsFQ(ExpertsRouting):
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         g = self.tq_experts_layout.gemms[index]
         w, bias = expert_weight(self, g)
-        return _fake_quant_grouped_linear(self._modules[f"{g.weight}_gemm"], x, torch.cumsum(counts.to(torch.int64), 0), w, bias)
+        return _fake_quant_grouped_linear(self._modules[_unit_attr(g)], x, torch.cumsum(counts.to(torch.int64), 0), w, bias)
 
 
 class _ChannelNormFQ(FakeQuantModule):
@@ -269,7 +275,7 @@ def quant_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     `tq.restore` match rules against and convert. Nothing of the model changes."""
     for name, module in canonical_modules(model):
         yield name, module
-        layout = None if isinstance(module, ExpertsRouting) else experts_layout(module)
+        layout = None if isinstance(module, _ExpertsFQ) else experts_layout(module)
         for g in () if layout is None else layout.gemms:
             unit = ExpertGemmQuantizers(module, g)
             yield (f"{name}.{unit.attr_name}" if name else unit.attr_name), unit
@@ -288,8 +294,11 @@ def kind_of(module: nn.Module) -> tuple[str, type | None, tuple[str, ...]] | Non
 
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why a module of a supported family cannot be converted (a subclass that overrides forward)."""
-    if isinstance(module, ExpertGemmQuantizers) and getattr(module.owner, "_is_expert_parallel", False):
-        return "transformers' own expert parallelism is enabled on its experts module (its sentinel routing is not supported)"
+    if isinstance(module, ExpertGemmQuantizers):
+        if is_converted(module.owner):
+            return "its experts module was converted by tq.convert (it quantizes with its training recipe); calibrate the float model"
+        if getattr(module.owner, "_is_expert_parallel", False):
+            return "transformers' own expert parallelism is enabled on its experts module (its sentinel routing is not supported)"
     for cls, owner in _FORWARD_OWNER.items():
         if isinstance(module, cls):
             if type(module).forward is not owner.forward:
