@@ -5,6 +5,7 @@ Also `tq.nn.GroupedLinear` fake-quantized with a tensor of counts, which used to
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import tqcompile as tq
+from tqcompile.calibration import CalibrationWarning
 from tqcompile.testing import CompileCounter, assert_bitwise_equal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -64,11 +66,14 @@ def _route_away_from_expert_3(kind: str, model, starve: torch.Tensor, seen: list
     return experts.register_forward_pre_hook(pre_hook)
 
 
-@pytest.mark.parametrize("kind,config", [("titan", "fp8"), ("mixtral", "nvfp4"), ("gpt_oss", "int8")])
+# GPT-OSS covers what the HF families add to the shared routing: transposed weights, biases, its own gate.
+@pytest.mark.parametrize("kind,config", [("titan", "fp8"), ("gpt_oss", "nvfp4")])
 def test_compiled_qat_of_fused_experts_is_one_graph_for_every_routing_and_equals_eager(kind, config):
     model = _build(kind)
     cal = [_inputs(kind, s) for s in (1, 2)]
-    tq.calibrate(model, getattr(tq.configs, config)(), lambda m: [m(x) for x in cal], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CalibrationWarning)  # GPT-OSS leaves an expert unrouted (tests/test_moe_ptq.py)
+        tq.calibrate(model, getattr(tq.configs, config)(), lambda m: [m(x) for x in cal], progress=False)
     eager = _build(kind)
     tq.restore(eager, tq.quant_state(model))
     eager.load_state_dict(model.state_dict())

@@ -265,3 +265,20 @@ def test_experts_converted_for_training_are_reported_not_silently_skipped():
     with pytest.warns(CalibrationWarning, match=r"blocks\.0\.experts\.w1_gemm \(\w*GroupedExperts\): its experts module was converted"):
         calibrated = tq.calibrate(model, tq.configs.fp8(), lambda m: m(batches("titan", 1, 0)[0]), progress=False)
     assert not experts_units(calibrated)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process, on purpose
+def test_experts_amaxes_load_with_dcp_into_a_prepared_model(tmp_path):
+    """The expert-parallel checkpoint path (docs/ptq.md), in one process: `prepare` builds the
+    experts units with placeholder amaxes of their final shapes and DCP fills them in place."""
+    import torch.distributed.checkpoint as dcp
+
+    model = build("qwen3_moe")
+    calibrate(model, tq.configs.nvfp4(), batches("qwen3_moe", 1, 0))
+    dcp.save({"quant": tq.quant_state(model)}, checkpoint_id=str(tmp_path))
+    fresh = tq.calibration.prepare(build("qwen3_moe", seed=1), tq.configs.nvfp4())
+    dcp.load({"quant": tq.quant_state(fresh)}, checkpoint_id=str(tmp_path))
+    fresh.load_state_dict(model.state_dict())
+    x = batches("qwen3_moe", 1, 4)[0]
+    with torch.no_grad():
+        assert torch.equal(run(fresh, x), run(model, x))
