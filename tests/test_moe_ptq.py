@@ -310,3 +310,73 @@ def test_bfloat16_experts_calibrate_and_keep_their_dtype():
     assert out.dtype == torch.bfloat16 and sqnr(ref.float(), out.float()) >= PRESETS["fp8"][1]  # measured 27.3
     unit = experts_units(model)["model.layers.0.mlp.experts.gate_up_proj_gemm"]
     assert unit.input_quantizer.amax.dtype == torch.float32
+
+
+# --- The ops and the grouped fake quantizer behind fake-quantized experts --------------------------
+_QUANTIZERS = {
+    "int8": tq.IntQuantizer(tq.Format.INT8),
+    "fp8": tq.Float8Quantizer(tq.Format.E4M3),
+    "fp8_rowwise": tq.Float8Quantizer(tq.Format.E4M3, tq.Granularity.ROWWISE),
+    "mxfp8": tq.MXQuantizer(tq.Format.E4M3),
+    "nvfp4": tq.NVFP4Quantizer(),
+    "nvfp4_hadamard": tq.NVFP4Quantizer(hadamard=True),
+}
+_ENDS = torch.tensor([5, 5, 22, 37])  # expert 1 has no token
+
+
+@pytest.mark.parametrize("qname", list(_QUANTIZERS))
+def test_opcheck_grouped_dequantize_and_grouped_mm(qname, float8_comparable):
+    from tqcompile.ops import grouped_gemm as gops
+
+    q = _QUANTIZERS[qname]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=g)
+    amax = gops.grouped_amax(x, q, _ENDS, False) if q.uses_tensor_amax() else None
+    data, scale_inv = gops.grouped_quantize(x, q, _ENDS, amax, None, False)
+    torch.library.opcheck(gops.grouped_dequantize, (data, scale_inv, amax, q, _ENDS, torch.float32))
+    w = torch.randn(4, 48, 64, generator=g)
+    torch.library.opcheck(gops.grouped_mm, (x.requires_grad_(), w.requires_grad_(), _ENDS))
+
+
+@pytest.mark.parametrize("qname", list(_QUANTIZERS))
+def test_grouped_fake_quant_equals_per_expert_fake_quant_bit_for_bit(qname):
+    """Each expert's rows, fake-quantized in one grouped call with static per-expert amaxes, equal
+    `fake_quantize` of that expert's rows alone with its amax; so do the clipped-STE gradients."""
+    from tqcompile.calibration import fake_quantize, fake_quantize_grouped
+
+    q = _QUANTIZERS[qname]
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 64, generator=g) * torch.linspace(0.5, 4, 37).unsqueeze(1)).requires_grad_()
+    amax = torch.tensor([1.0, 2.0, 3.0, 0.5]) if q.uses_tensor_amax() else None
+    y = fake_quantize_grouped(x, q, _ENDS, amax)
+    y.backward(torch.ones_like(y))
+    bounds = [0, *_ENDS.tolist()]
+    for e in range(4):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi == lo:
+            continue
+        xe = x.detach()[lo:hi].clone().requires_grad_()
+        ye = fake_quantize(xe, q, None if amax is None else amax[e])
+        ye.backward(torch.ones_like(ye))
+        assert torch.equal(y[lo:hi], ye), e
+        assert torch.equal(x.grad[lo:hi], xe.grad), e
+
+
+def test_grouped_mm_equals_per_expert_matmuls_forward_and_backward():
+    from tqcompile.ops import grouped_gemm as gops
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 64, generator=g, requires_grad=True)
+    w = torch.randn(4, 48, 64, generator=g, requires_grad=True)
+    y = gops.grouped_mm(x, w, _ENDS)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    bounds = [0, *_ENDS.tolist()]
+    ref = torch.cat([x[lo:hi] @ w[e].t() for e, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+    dx, dw = torch.autograd.grad(ref, (x, w), dy)
+    # torch._grouped_mm in fp32 on CPU is one matmul per expert, bit for bit; dgrad multiplies
+    # by the transposed weight made contiguous, whose summation order differs from autograd's
+    # dy @ w[e] in the last bits.
+    assert torch.equal(y, ref) and torch.equal(w.grad, dw)
+    torch.testing.assert_close(x.grad, dx, rtol=1e-6, atol=1e-5)
+    assert torch.equal(w.grad[1], torch.zeros(48, 64))  # the expert without tokens
