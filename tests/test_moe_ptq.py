@@ -229,15 +229,26 @@ def test_calibration_failure_leaves_the_experts_module_as_it_was():
     assert not any(isinstance(c, ExpertGemmQuantizers) for c in experts.children())
 
 
-def test_rules_select_experts_gemms_by_name():
+def test_rules_select_experts_gemms_by_name_or_by_their_experts_module():
     from tqcompile.calibration import QuantRule
 
     model = build("mixtral")
-    config = tq.configs.fp8().with_rules(QuantRule.disable("*.experts.down_proj_gemm"))
+    experts_cls = type(model.model.layers[0].mlp.experts)
+    config = tq.configs.fp8().with_rules(
+        QuantRule.disable("*.experts.down_proj_gemm"),
+        QuantRule.disable("model.layers.0.mlp.experts"),  # the experts module: all its GEMMs
+        QuantRule(module_types=(experts_cls,), name="model.layers.1.*", input=tq.Float8Quantizer(tq.Format.E5M2)),
+    )
     calibrate(model, config, batches("mixtral", 1, 0))
     units = experts_units(model)
-    assert units["model.layers.1.mlp.experts.gate_up_proj_gemm"].weight_quantizer.enabled
-    assert not any(units["model.layers.1.mlp.experts.down_proj_gemm"].quantizers()[s].enabled for s in ("input", "weight"))
+    enabled = {n: tuple(s for s, t in u.quantizers().items() if t.enabled) for n, u in units.items()}
+    assert enabled == {
+        "model.layers.0.mlp.experts.gate_up_proj_gemm": (),
+        "model.layers.0.mlp.experts.down_proj_gemm": (),
+        "model.layers.1.mlp.experts.gate_up_proj_gemm": ("input", "weight"),
+        "model.layers.1.mlp.experts.down_proj_gemm": ("input",),
+    }
+    assert units["model.layers.1.mlp.experts.gate_up_proj_gemm"].input_quantizer.quantizer.format is tq.Format.E5M2
 
 
 def test_deepcopy_and_pickle_keep_the_fake_quant_experts():

@@ -133,7 +133,8 @@ class ExpertGemmQuantizers(FakeQuantModule, nn.Module):
     docstring): a child of the experts module named ``<weight>_gemm``, holding `input_quantizer`,
     `weight_quantizer` and `output_quantizer` and no parameter. Match it in a config by name
     (``"*.experts.down_proj_gemm"``) or by class (``module_types=(ExpertGemmQuantizers,)``, as
-    the presets do).
+    the presets do); a rule matching the experts module (``"*.mlp.experts"``,
+    ``module_types=(MixtralExperts,)``) matches all of its GEMMs.
 
     `weight` is the experts module's weight in the GEMM's (experts, out, in) view (a transposed
     view for GPT-OSS's (experts, in, out) storage): scaling units follow the GEMM, amaxes are per
@@ -153,6 +154,11 @@ class ExpertGemmQuantizers(FakeQuantModule, nn.Module):
     def owner(self) -> nn.Module:
         """The experts module whose GEMM this is."""
         return self._owner[0]
+
+    @property
+    def tq_rule_owner(self) -> nn.Module:
+        """Config rules that match the experts module match this unit too (`QuantRule.matches`)."""
+        return self.owner
 
     @property
     def weight(self) -> torch.Tensor:
