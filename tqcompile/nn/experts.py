@@ -29,6 +29,7 @@ from torch import nn
 
 from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.grouped import grouped_linear, grouped_unsupported_reason
+from tqcompile.nn.histories import HISTORY_PREFIX, _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
 __all__ = ["ExpertGemm", "ExpertsLayout", "experts_layout", "QuantizedExperts", "experts_unsupported_reason", "sort_by_expert"]
@@ -97,10 +98,13 @@ def experts_unsupported_reason(module: nn.Module, recipe: Recipe) -> str | None:
         )
     for g in layout.gemms:
         _, k, n = _gemm_shape(module, g)
-        reason = grouped_unsupported_reason(recipe, k, n)
+        reason = grouped_unsupported_reason(recipe, k, n, histories=True)
         if reason:
             return f"{g.weight} ({k} -> {n} per expert): {reason}"
     return None
+
+
+_OPERANDS = ("input", "weight", "grad")
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,9 +117,14 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     return perm, counts
 
 
-class QuantizedExperts(QuantizedModule):
+class QuantizedExperts(_AmaxHistoryOwner, QuantizedModule):
     """Mixin `tq.convert` puts *before* an experts module's own class (see the module docstring):
     its `forward` runs the module's routing with every expert GEMM quantized per expert.
+
+    Delayed scaling (`fp8_delayed`): each GEMM keeps fp32 histories of shape
+    (amax_history_len, E), one window per expert, as persistent buffers
+    ``amax_history_<weight>_{input,weight,grad}`` (a checkpoint without them loads, with zeros:
+    `tqcompile.nn.histories`). Other recipes add no buffer: the `state_dict` is the float model's.
 
     A subclass (the fake-quantized experts of `tq.calibrate`) changes `_expert_gemm` only.
     """
@@ -128,6 +137,10 @@ class QuantizedExperts(QuantizedModule):
         self.recipe = recipe
         self.amax_group_name = None
         self.tq_experts_layout = layout
+        for g in layout.gemms:
+            w = self._parameters[g.weight]
+            for operand in _OPERANDS:
+                self._register_amax_history(f"{HISTORY_PREFIX}{g.weight}_{operand}", recipe.amax_history_len, w.device, w.shape[0])
 
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """GEMM `index` of the layout on tokens `x` sorted by expert, `counts` per expert."""
@@ -135,7 +148,12 @@ class QuantizedExperts(QuantizedModule):
         w = self._parameters[g.weight]
         w = w.transpose(1, 2) if g.transposed else w
         bias = None if g.bias is None else self._parameters[g.bias]
-        return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
+        if not self.recipe.amax_history_len:
+            return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
+        histories = tuple(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"] for operand in _OPERANDS)
+        return grouped_linear(
+            x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=self.training
+        )
 
     def forward(self, *args, **kwargs):
         if self.tq_experts_layout.style == "hf":
