@@ -8,7 +8,9 @@ users expect left in high precision:
   included);
 - embeddings (`nn.Embedding`);
 - the output head: modules whose canonical name is, or ends in, ``lm_head``, ``head``,
-  ``output`` or ``output_layer`` (e.g. ``lm_head``, ``model.head``);
+  ``output`` or ``output_layer`` (e.g. ``lm_head``, ``model.head``), and the classification heads
+  of Hugging Face models, ``classifier`` (BERT, ViT: ``BertForSequenceClassification.classifier``)
+  and ``score`` (decoder models' ``*ForSequenceClassification``, e.g. ``LlamaForSequenceClassification.score``);
 - MoE routers: names that are, or end in, ``router`` or ``gate`` (e.g. ``block_sparse_moe.gate``;
   not ``mlp.gate_proj``).
 
@@ -40,7 +42,9 @@ NORMS: tuple[type, ...] = (
     nn.RMSNorm,
     nn.GroupNorm,
 )
-HEAD_NAMES = ("lm_head", "head", "output", "output_layer")
+# The head's output is the loss's input (logits): quantizing it costs the most accuracy for the least
+# compute. `classifier` and `score` are the names Hugging Face gives classification heads.
+HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier", "score")
 ROUTER_NAMES = ("router", "gate")
 
 
