@@ -1,11 +1,16 @@
 """Hugging Face models as a new user brings them (built from tiny configs, no download), and what
-they hit first:
+they hit first (eager; the compiled side is in `compile_tests/test_hf_newuser_compile.py`):
 
 - PTQ presets keep the classification heads in high precision: `classifier` (BERT, ViT) and
-  `score` (decoder models' `*ForSequenceClassification`), as they do `lm_head`.
+  `score` (decoder models' `*ForSequenceClassification`), as they do `lm_head`;
+- a training recipe's token-count error names the converted layer (BERT's pooler sees one token
+  per sample) and shows the `filter_fn` that keeps it in high precision.
 """
 
 from __future__ import annotations
+
+import io
+import re
 
 import pytest
 import torch
@@ -22,6 +27,9 @@ from transformers import (
 
 import tqcompile as tq
 from tqcompile.calibration import modules as fq_modules
+
+# A ViT on 32x32 images in 4x4 patches: 64 patches + the CLS token = 65 tokens per image.
+VIT_TOKENS = 65
 
 
 def tiny_bert(num_labels: int = 3, hidden: int = 32) -> nn.Module:
@@ -110,3 +118,68 @@ def test_the_head_rules_match_names_ending_in_classifier_or_score_only():
         if isinstance(m, nn.Linear)
     }
     assert enabled == {"classifier": False, "pre_classifier": True, "blocks.score": False, "blocks.scores": True}
+
+
+# --------------------------------------------------------------------------------------------
+# Training recipes: the token-count error names the converted layer and the filter_fn fix
+# --------------------------------------------------------------------------------------------
+def _filter_fix(fqn: str) -> str:
+    return f"tq.convert(model, recipe, filter_fn=lambda m, fqn: fqn != {fqn!r})"
+
+
+@pytest.mark.parametrize(("recipe", "block"), [("mxfp8", 32), ("nvfp4", 16)])
+def test_token_count_error_names_the_pooler_and_the_filter_fn_fix(recipe, block):
+    torch.manual_seed(0)
+    # 32 labels: the classifier is converted too (3 would be skipped by convert, its width not a block multiple).
+    model = tq.convert(tiny_bert(num_labels=32), tq.recipes.get(recipe))
+    assert model.bert.pooler.dense.tq_fqn == "bert.pooler.dense" and model.classifier.tq_fqn == "classifier"
+    ids = torch.randint(1, 64, (2, 16))  # 32 tokens for the encoder; the pooler sees one per sample: 2
+    with pytest.raises(ValueError) as info:
+        model(input_ids=ids).logits.sum().backward()
+    message = str(info.value)
+    assert message.startswith(f"linear 'bert.pooler.dense': recipe '{recipe}' cannot serve this call: ")
+    assert "(2 tokens = batch x sequence)" in message and f"pad it with {block - 2} zeros to {block}" in message
+    assert message.endswith(_filter_fix("bert.pooler.dense")), message
+
+    # The fix the message shows works: the model trains with the pooler in high precision.
+    torch.manual_seed(0)
+    model = tq.convert(tiny_bert(num_labels=32), tq.recipes.get(recipe), filter_fn=lambda m, fqn: fqn != "bert.pooler.dense")
+    assert not tq.nn.is_converted(model.bert.pooler.dense) and tq.nn.is_converted(model.bert.encoder.layer[0].output.dense)
+    with pytest.raises(ValueError, match=re.escape(_filter_fix("classifier"))):  # the classifier sees 2 tokens as well
+        model(input_ids=ids).logits.sum().backward()
+    model = tq.convert(tiny_bert(num_labels=32), tq.recipes.get(recipe), filter_fn=lambda m, fqn: fqn.startswith("bert.encoder"))
+    model(input_ids=ids).logits.sum().backward()
+    assert model.bert.encoder.layer[0].output.dense.weight.grad.abs().sum() > 0
+
+
+def test_token_count_error_of_a_vit_names_the_layer():
+    """65 tokens per image: the first converted layer names itself; padding, not filter_fn, is the fix there."""
+    torch.manual_seed(0)
+    model = tq.convert(tiny_vit(hidden=128), tq.recipes.fp8_blockwise(), filter_fn=lambda m, fqn: fqn != "classifier")
+    with pytest.raises(ValueError) as info:
+        model(pixel_values=torch.randn(1, 3, 32, 32)).logits.sum().backward()
+    message = str(info.value)
+    assert message.startswith("linear 'vit.layers.0.attention.q_proj': recipe 'fp8_blockwise' cannot serve this call: ")
+    assert f"({VIT_TOKENS} tokens = batch x sequence)" in message and "pad it with 63 zeros to 128" in message
+    assert "make batch x sequence a multiple of the block" in message
+
+
+def test_other_errors_of_a_converted_layer_name_it_too():
+    model = tq.convert(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), tq.recipes.fp8_tensorwise())
+    with pytest.raises(TypeError, match=re.escape("linear '0': input dtype torch.float64 is not supported")):
+        model(torch.randn(4, 64, dtype=torch.float64))
+    # Only a token-count error shows the filter_fn fix; a layer built directly has no name to give.
+    layer = tq.nn.Linear(64, 64, recipe=tq.recipes.mxfp8())
+    assert layer.tq_fqn is None
+    with pytest.raises(ValueError) as info:
+        layer(torch.randn(33, 64, requires_grad=True))
+    assert str(info.value).startswith("linear: recipe 'mxfp8'") and "filter_fn" not in str(info.value)
+
+
+def test_the_name_survives_pickling():
+    model = tq.convert(tiny_bert(num_labels=32), tq.recipes.mxfp8())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    assert restored.bert.pooler.dense.tq_fqn == "bert.pooler.dense"
