@@ -71,3 +71,19 @@ def test_layer_names_cost_no_recompile_when_blocks_compile_one_by_one():
     # A bad token count in block 2 still names block 2's layer (the error graph reads the name).
     with pytest.raises(ValueError, match=r"^linear '2.fc1': .*\(33 tokens = batch x sequence\)"):
         model[2](torch.randn(33, 64, requires_grad=True))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_blockwise"])
+def test_inference_under_no_grad_takes_any_token_count_compiled(recipe):
+    """Under no_grad only fprop runs (blocked along the features): 65 tokens compile and run, and
+    match eager bit for bit; with grad mode on the compiled call raises as eager does."""
+    torch.manual_seed(0)
+    layer = tq.nn.Linear(128, 128, recipe=tq.recipes.get(recipe))
+    x = torch.randn(5, 13, 128)  # 65 tokens: a multiple of no block
+    counter = CompileCounter("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+    assert counter.graph_breaks == 0
+    with pytest.raises(ValueError, match=r"\(65 tokens = batch x sequence\)"):
+        compiled(x)

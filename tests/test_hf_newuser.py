@@ -4,7 +4,8 @@ they hit first (eager; the compiled side is in `compile_tests/test_hf_newuser_co
 - PTQ presets keep the classification heads in high precision: `classifier` (BERT, ViT) and
   `score` (decoder models' `*ForSequenceClassification`), as they do `lm_head`;
 - a training recipe's token-count error names the converted layer (BERT's pooler sees one token
-  per sample) and shows the `filter_fn` that keeps it in high precision.
+  per sample) and shows the `filter_fn` that keeps it in high precision;
+- inference under `torch.no_grad()` takes any token count (a ViT's 65 tokens per image).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def tiny_vit(hidden: int = 32) -> nn.Module:
         intermediate_size=2 * hidden, num_labels=3,
     )  # fmt: skip
     return ViTForImageClassification(cfg)
+
+
+# Feature sizes every block recipe can serve (fp8_blockwise's 128x128 weight tiles need 128).
+HIDDEN = {"mxfp8": 32, "nvfp4": 32, "fp8_blockwise": 128}
 
 
 def tiny_llama_classifier() -> nn.Module:
@@ -183,3 +188,26 @@ def test_the_name_survives_pickling():
     buffer.seek(0)
     restored = torch.load(buffer, weights_only=False)
     assert restored.bert.pooler.dense.tq_fqn == "bert.pooler.dense"
+
+
+# --------------------------------------------------------------------------------------------
+# Inference under no_grad: no operand is blocked along the tokens
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_blockwise"])
+def test_inference_under_no_grad_takes_any_token_count(recipe):
+    """Under no_grad only fprop runs, blocked along the features: a ViT's 65 tokens per image, and
+    BERT's pooler (2 tokens), run. With grad mode on, the same forward asks for the wgrad operands."""
+    torch.manual_seed(0)
+    hidden = HIDDEN[recipe]
+    vit = tq.convert(tiny_vit(hidden), tq.recipes.get(recipe), filter_fn=lambda m, fqn: fqn != "classifier").eval()
+    bert = tq.convert(tiny_bert(num_labels=hidden, hidden=hidden), tq.recipes.get(recipe)).eval()
+    assert tq.nn.is_converted(vit.vit.layers[0].mlp.fc1) and tq.nn.is_converted(bert.bert.pooler.dense)
+    images, ids = torch.randn(1, 3, 32, 32), torch.randint(1, 64, (2, 16))
+    with torch.no_grad():
+        logits = vit(pixel_values=images).logits
+        assert logits.shape == (1, 3) and torch.isfinite(logits).all()
+        assert torch.isfinite(bert(input_ids=ids).logits).all()
+    with torch.inference_mode():
+        assert torch.equal(vit(pixel_values=images).logits, logits)
+    with pytest.raises(ValueError, match=rf"\({VIT_TOKENS} tokens = batch x sequence\)"):
+        vit(pixel_values=images)  # eval() alone keeps grad mode on: backward could follow
