@@ -1,8 +1,8 @@
 """Hugging Face models as a new user brings them (built from tiny configs, no download), and what
 they hit first (eager; the compiled side is in `compile_tests/test_hf_newuser_compile.py`):
 
-- PTQ presets keep the classification heads in high precision: `classifier` (BERT, ViT) and
-  `score` (decoder models' `*ForSequenceClassification`), as they do `lm_head`;
+- PTQ presets keep the classification heads in high precision: `classifier` (BERT, ViT; RoBERTa's
+  whole head module) and `score` (decoder models' `*ForSequenceClassification`), as they do `lm_head`;
 - a training recipe's token-count error names the converted layer (BERT's pooler sees one token
   per sample) and shows the `filter_fn` that keeps it in high precision;
 - inference under `torch.no_grad()` takes any token count (a ViT's 65 tokens per image).
@@ -22,6 +22,8 @@ from transformers import (
     BertForSequenceClassification,
     LlamaConfig,
     LlamaForSequenceClassification,
+    RobertaConfig,
+    RobertaForSequenceClassification,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -66,11 +68,21 @@ def tiny_llama_classifier() -> nn.Module:
     return LlamaForSequenceClassification(cfg)
 
 
+def tiny_roberta() -> nn.Module:
+    cfg = RobertaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=40, num_labels=3, pad_token_id=1,
+    )  # fmt: skip
+    return RobertaForSequenceClassification(cfg)
+
+
 MODELS = {
-    # name: (build, the classification head's name, one batch of inputs)
-    "bert": (tiny_bert, "classifier", lambda: {"input_ids": torch.randint(1, 64, (2, 16))}),
-    "vit": (tiny_vit, "classifier", lambda: {"pixel_values": torch.randn(2, 3, 32, 32)}),
-    "llama": (tiny_llama_classifier, "score", lambda: {"input_ids": torch.randint(1, 64, (2, 16))}),
+    # name: (build, the classification head's linear layers, one batch of inputs)
+    "bert": (tiny_bert, ("classifier",), lambda: {"input_ids": torch.randint(2, 64, (2, 16))}),
+    "vit": (tiny_vit, ("classifier",), lambda: {"pixel_values": torch.randn(2, 3, 32, 32)}),
+    "llama": (tiny_llama_classifier, ("score",), lambda: {"input_ids": torch.randint(2, 64, (2, 16))}),
+    # RobertaClassificationHead: classifier.dense -> tanh -> classifier.out_proj
+    "roberta": (tiny_roberta, ("classifier.dense", "classifier.out_proj"), lambda: {"input_ids": torch.randint(2, 64, (2, 16))}),
 }
 
 
@@ -80,7 +92,7 @@ MODELS = {
 @pytest.mark.parametrize("preset", ["int8", "fp8"])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_ptq_presets_keep_the_classification_head_in_high_precision(kind, preset):
-    build, head, inputs = MODELS[kind]
+    build, heads, inputs = MODELS[kind]
     torch.manual_seed(0)
     model = build().eval()
     batch = inputs()
@@ -89,31 +101,37 @@ def test_ptq_presets_keep_the_classification_head_in_high_precision(kind, preset
     tq.calibrate(model, getattr(tq.configs, preset)(), lambda m: m(**batch), progress=False)
 
     rows = {r.name: r for r in tq.summary(model).rows}
-    assert (rows[head].input, rows[head].weight, rows[head].output) == ("off", "off", "off")
+    assert all((rows[h].input, rows[h].weight, rows[h].output) == ("off", "off", "off") for h in heads)
     # Every other GEMM layer is quantized (the patch embedding of the ViT, a Conv2d, included).
-    gemms = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d)) and n != head]
+    gemms = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d)) and n not in heads]
     assert gemms and all(rows[n].weight != "off" and rows[n].input != "off" for n in gemms), {n: rows[n] for n in gemms}
-    # The head computes in high precision: its fake-quantizers are off, so it is an exact nn.Linear.
-    head_module = model.get_submodule(head)
-    assert isinstance(head_module, fq_modules.FakeQuantModule) and not any(q.enabled for q in head_module.quantizers().values())
-    seen = []
-    hook = head_module.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    # The head computes in high precision: its fake-quantizers are off, so each layer is an exact nn.Linear.
+    seen = {}
+    hooks = []
+    for h in heads:
+        module = model.get_submodule(h)
+        assert isinstance(module, fq_modules.FakeQuantModule) and not any(q.enabled for q in module.quantizers().values())
+        hooks.append(module.register_forward_hook(lambda m, args, out, h=h: seen.update({h: (m, args[0], out)})))
     with torch.no_grad():
         quantized = model(**batch).logits
-    hook.remove()
-    ((head_in, head_out),) = seen
-    assert torch.equal(head_out, F.linear(head_in, head_module.weight, head_module.bias))
+    for hook in hooks:
+        hook.remove()
+    assert sorted(seen) == sorted(heads)
+    for module, head_in, head_out in seen.values():
+        assert torch.equal(head_out, F.linear(head_in, module.weight, module.bias))
     assert quantized.shape == reference.shape and torch.isfinite(quantized).all()
     assert not torch.equal(quantized, reference)  # the rest of the model does run quantized
 
 
 def test_the_head_rules_match_names_ending_in_classifier_or_score_only():
-    """`classifier` and `score` as whole name parts: `pre_classifier`/`scores` are not heads."""
+    """`classifier` and `score` as whole name parts: `pre_classifier`/`scores`/`classifiers` are not heads."""
     model = nn.ModuleDict(
         {
             "classifier": nn.Linear(32, 4),
             "pre_classifier": nn.Linear(32, 32),
             "blocks": nn.ModuleDict({"score": nn.Linear(32, 4), "scores": nn.Linear(32, 32)}),
+            "head": nn.ModuleDict({"classifier": nn.ModuleDict({"dense": nn.Linear(32, 32)})}),
+            "classifiers": nn.ModuleDict({"dense": nn.Linear(32, 32)}),
         }
     )
     rules = tq.configs.int8().rules
@@ -122,7 +140,14 @@ def test_the_head_rules_match_names_ending_in_classifier_or_score_only():
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear)
     }
-    assert enabled == {"classifier": False, "pre_classifier": True, "blocks.score": False, "blocks.scores": True}
+    assert enabled == {
+        "classifier": False,
+        "pre_classifier": True,
+        "blocks.score": False,
+        "blocks.scores": True,
+        "head.classifier.dense": False,  # a layer of a head module named classifier
+        "classifiers.dense": True,
+    }
 
 
 # --------------------------------------------------------------------------------------------
