@@ -35,7 +35,9 @@ def linear_input_error(
     return _error(static_shape(x.shape), static_shape(weight.shape), x.dtype, recipe, backward, name)
 
 
-def _error(x_shape, w_shape, dtype: torch.dtype, recipe: Recipe, backward: bool, layer: str | None) -> tuple[type[Exception], str] | None:
+def _error(
+    x_shape, w_shape, dtype: torch.dtype, recipe: Recipe, backward: bool, layer: str | None
+) -> tuple[type[Exception], str] | None:
     what = "linear" if layer is None else f"linear {layer!r}"
     if dtype not in SUPPORTED_DTYPES:
         return TypeError, f"{what}: input dtype {dtype} is not supported; allowed: torch.float32, torch.bfloat16, torch.float16"
