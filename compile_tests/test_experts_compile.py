@@ -92,3 +92,18 @@ def test_token_counts_recompile_as_dense_layers_do(kind):
     counts = (64, 96, 128, 160)
     dense = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.SiLU(), torch.nn.Linear(2 * DIM, DIM))
     assert _frames(moe_block(kind, "mxfp8"), counts) <= _frames(dense, counts) == 2
+
+
+def test_delayed_scaling_histories_roll_alike_compiled_and_eager():
+    torch.compiler.reset()
+    eager = moe_block("torchtitan", "fp8_delayed")
+    compiled_block = copy.deepcopy(eager)
+    counter = CompileCounter("aot_eager")
+    compiled = torch.compile(compiled_block, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    for i in range(3):
+        x = torch.randn(2, 32, DIM, generator=g)
+        assert_bitwise_equal(step(compiled, x), step(eager, x), path=f"step {i}")
+    assert_bitwise_equal(dict(compiled_block.named_buffers()), dict(eager.named_buffers()), path="histories")
+    assert counter.frame_count == 1 and counter.graph_breaks == 0 and counter.recompiles == 0, counter
+    torch.compiler.reset()

@@ -22,7 +22,7 @@ from tqcompile.nn.experts import QuantizedExperts
 from tqcompile.testing.numerics import sqnr
 
 aten = torch.ops.aten
-RECIPES = [r for r in tq.recipes.RECIPES if r != "fp8_delayed"]
+RECIPES = list(tq.recipes.RECIPES)
 MODELS = (*HF_MOE_KINDS, "torchtitan")
 # Ops that compute a float GEMM, and the quantized grouped GEMM.
 FLOAT_GEMMS = {"aten._grouped_mm", "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "transformers.grouped_mm_fallback"}
@@ -220,3 +220,29 @@ def test_other_hf_moe_models_convert_and_report_their_routers(model_type):
         assert sqnr(model(ids).logits, ref) > 20
     model.train()(ids, labels=ids).loss.backward()
     assert all(torch.isfinite(p.grad).all() for _, m in experts for p in m.parameters(recurse=False))
+
+
+def test_delayed_scaling_keeps_one_history_window_per_expert():
+    model = TitanMoEModel()
+    float_state = copy.deepcopy(model.state_dict())
+    convert_quietly(model, tq.recipes.fp8_delayed(amax_history_len=4))
+    experts = model.blocks[0].experts
+    hist = {n: b for n, b in experts.named_buffers() if n.startswith("amax_history_")}
+    assert len(hist) == 9 and all(b.shape == (4, 4) and b.dtype == torch.float32 for b in hist.values())
+    # A float checkpoint loads strictly: the histories start at zeros (the first-step state).
+    model.load_state_dict(float_state, strict=True)
+    model.train()
+    run(model, "torchtitan").float().pow(2).mean().backward()
+    # Each expert's window holds its own amax: the weight's per-expert max |w|.
+    torch.testing.assert_close(experts.amax_history_w1_weight[0], experts.w1.detach().abs().amax((1, 2)), rtol=0, atol=0)
+    assert (experts.amax_history_w2_grad[0] > 0).any() and (experts.amax_history_w1_input[1] == 0).all()
+    before = {n: b.clone() for n, b in hist.items()}
+    model.eval()
+    run(model, "torchtitan").float().pow(2).mean().backward()  # eval mode: scaled from the histories, not rolled
+    assert all(torch.equal(before[n], experts.get_buffer(n)) for n in hist)
+    # The histories are in the state_dict, and come back.
+    state = copy.deepcopy(model.state_dict())
+    assert "blocks.0.experts.amax_history_w2_grad" in state
+    fresh = convert_quietly(TitanMoEModel(), tq.recipes.fp8_delayed(amax_history_len=4))
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.blocks[0].experts.amax_history_w1_input, experts.amax_history_w1_input)

@@ -381,7 +381,12 @@ def convert_layers(
     _check_not_sharded(modules, plan)
     for p in plan:
         if p.action == "convert":
-            _entry_for(modules[p.name]).convert(modules[p.name], recipe)
+            module = modules[p.name]
+            _entry_for(module).convert(module, recipe)
+            # The name filter_fn saw: errors the layer raises at run time (a token count its blocks
+            # cannot split) name it and show the filter_fn that keeps it in high precision.
+            if is_converted(module):  # (a user's converter may make a module that is not a QuantizedModule)
+                module.tq_fqn = p.name
     for module in model.modules():
         # nn.TransformerEncoder packs a padded batch into a nested tensor in inference; converted
         # layers take the padded batch and its key padding mask instead.

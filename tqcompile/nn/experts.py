@@ -29,6 +29,7 @@ from torch import nn
 
 from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.grouped import grouped_linear, grouped_unsupported_reason
+from tqcompile.nn.histories import HISTORY_PREFIX, _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
 __all__ = [
@@ -106,10 +107,13 @@ def experts_unsupported_reason(module: nn.Module, recipe: Recipe) -> str | None:
         )
     for g in layout.gemms:
         _, k, n = _gemm_shape(module, g)
-        reason = grouped_unsupported_reason(recipe, k, n)
+        reason = grouped_unsupported_reason(recipe, k, n, histories=True)
         if reason:
             return f"{g.weight} ({k} -> {n} per expert): {reason}"
     return None
+
+
+_OPERANDS = ("input", "weight", "grad")
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +152,15 @@ class ExpertsRouting:
         return _torchtitan_forward(self, *args, **kwargs)
 
 
-class QuantizedExperts(ExpertsRouting, QuantizedModule):
+class QuantizedExperts(ExpertsRouting, _AmaxHistoryOwner, QuantizedModule):
     """Mixin `tq.convert` puts *before* an experts module's own class (see the module docstring):
-    its `forward` runs the module's routing with every expert GEMM quantized per expert."""
+    its `forward` runs the module's routing with every expert GEMM quantized per expert.
+
+    Delayed scaling (`fp8_delayed`): each GEMM keeps fp32 histories of shape
+    (amax_history_len, E), one window per expert, as persistent buffers
+    ``amax_history_<weight>_{input,weight,grad}`` (a checkpoint without them loads, with zeros:
+    `tqcompile.nn.histories`). Other recipes add no buffer: the `state_dict` is the float model's.
+    """
 
     amax_group_name: str | None
 
@@ -158,10 +168,20 @@ class QuantizedExperts(ExpertsRouting, QuantizedModule):
         self.recipe = recipe
         self.amax_group_name = None
         self.tq_experts_layout = layout
+        for g in layout.gemms:
+            w = self._parameters[g.weight]
+            for operand in _OPERANDS:
+                self._register_amax_history(f"{HISTORY_PREFIX}{g.weight}_{operand}", recipe.amax_history_len, w.device, w.shape[0])
 
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w, bias = expert_weight(self, self.tq_experts_layout.gemms[index])
-        return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
+        g = self.tq_experts_layout.gemms[index]
+        w, bias = expert_weight(self, g)
+        if not self.recipe.amax_history_len:
+            return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
+        histories = tuple(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"] for operand in _OPERANDS)
+        return grouped_linear(
+            x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=self.training
+        )
 
 
 def _hf_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
