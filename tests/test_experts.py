@@ -246,3 +246,24 @@ def test_delayed_scaling_keeps_one_history_window_per_expert():
     fresh = convert_quietly(TitanMoEModel(), tq.recipes.fp8_delayed(amax_history_len=4))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.blocks[0].experts.amax_history_w1_input, experts.amax_history_w1_input)
+
+
+def test_ptq_presets_keep_a_nested_router_in_high_precision():
+    """HunYuan-MoE's router is an nn.Linear one level down (mlp.gate.wg): the presets keep it float,
+    as tq.convert does."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING["hunyuan_v1_moe"]()
+    for k, v in {**TINY, "num_hidden_layers": 1}.items():
+        if hasattr(cfg, k):
+            setattr(cfg, k, v)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tq.calibrate(model, tq.configs.int8(), forward_loop=lambda m: m(ids))
+    rows = {r.name: r for r in tq.summary(model).rows}
+    router = rows["model.layers.0.mlp.gate.wg"]
+    assert (router.input, router.weight, router.output) == ("off", "off", "off"), router
+    assert "model.layers.0.mlp.experts.gate_up_proj_gemm" in rows

@@ -63,7 +63,9 @@ def default_disabled() -> tuple[QuantRule, ...]:
     ]
     for n in HEAD_NAMES + ROUTER_NAMES:
         rules += [QuantRule.disable(n, must_match=False), QuantRule.disable(f"*.{n}", must_match=False)]
-    for n in HEAD_MODULES:
+    # Layers inside such modules too: a head built as a module (RoBERTa), a router holding its
+    # nn.Linear one level down (HunYuan-MoE's mlp.gate.wg).
+    for n in HEAD_MODULES + ROUTER_NAMES:
         rules += [QuantRule.disable(f"{n}.*", must_match=False), QuantRule.disable(f"*.{n}.*", must_match=False)]
     return tuple(rules)
 
