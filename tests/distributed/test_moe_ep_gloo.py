@@ -286,3 +286,42 @@ def test_expert_parallel_two_ranks(tmp_path):
         ckpt = res["checkpoint"]
         assert ckpt["traversal collectives"] == {}
         assert ckpt["ep2->1"] == (True, []) and ckpt["ep1->2"] == (True, [])
+
+
+def _checks_four(rank: int, out_dir: str) -> None:
+    """EP=4 <-> EP=2 (the 'ep' dim of a 2x2 mesh) <-> one process, model state through DCP."""
+    ep4 = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    ep2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))["ep"]
+    x, y = _batch("titan")
+
+    def state(model) -> dict[str, torch.Tensor]:
+        return {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in model.state_dict().items()}
+
+    def unequal(a, b) -> list[str]:
+        return sorted(n for n in a if not torch.equal(a[n], b[n])) + sorted(set(a) ^ set(b))
+
+    def run() -> dict:
+        out = {}
+        four = tq.distributed.expert_parallel(_model("titan", "fp8_rowwise"), ep4)
+        _train(four, "titan", x[rank : rank + 1], y[rank : rank + 1], ep=True, steps=1)
+        tq.distributed.checkpoint.save(four, None, f"{out_dir}/ep4")
+        two = tq.distributed.expert_parallel(_model("titan", "fp8_rowwise"), ep2)
+        tq.distributed.checkpoint.load(two, None, f"{out_dir}/ep4")
+        one = _model("titan", "fp8_rowwise")
+        tq.distributed.checkpoint.load(one, None, f"{out_dir}/ep4")
+        out["ep4->2"], out["ep4->1"] = unequal(state(four), state(two)), unequal(state(four), state(one))
+        with torch.no_grad():  # a state EP=4 never held, saved at EP=2 and loaded back at EP=4
+            for p in two.parameters():
+                p.mul_(2)
+        tq.distributed.checkpoint.save(two, None, f"{out_dir}/ep2")
+        tq.distributed.checkpoint.load(four, None, f"{out_dir}/ep2")
+        out["ep2->4"] = unequal(state(two), state(four))
+        return out
+
+    torch.save(run_checks(rank, [("reshard", run)]), f"{out_dir}/rank{rank}.pt")
+
+
+def test_expert_parallel_checkpoint_four_ranks(tmp_path):
+    ranks = run_ranks(_checks_four, 4, tmp_path, deadline_s=600, timeout_s=120)
+    for res in ranks:
+        assert res["reshard"] == {"ep4->2": [], "ep4->1": [], "ep2->4": []}

@@ -33,6 +33,7 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tqcompile.distributed.fsdp import QuantizedWeight
 from tqcompile.nn.experts import QuantizedExperts, experts_layout
 
 __all__ = ["ExpertParallelDispatch", "expert_parallel"]
@@ -129,5 +130,7 @@ def _shard_experts(module: QuantizedExperts, name: str, mesh: DeviceMesh) -> Non
                 f"expert_parallel: {name}.{p_name} has {p.shape[0]} experts, not a multiple of the EP size {world}; "
                 f"use an EP size that divides {p.shape[0]}"
             )
-        sharded = distribute_tensor(p.detach(), mesh, [Shard(0)])
+        # A weight tq.convert made FSDP2-gatherable (QuantizedWeight): EP shards the tensor it holds.
+        plain = p._tensor if isinstance(p, QuantizedWeight) else p
+        sharded = distribute_tensor(plain.detach(), mesh, [Shard(0)])
         module._parameters[p_name] = nn.Parameter(sharded, requires_grad=p.requires_grad)

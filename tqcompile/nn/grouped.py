@@ -36,6 +36,7 @@ from tqcompile.ops import grouped_gemm as gops
 from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
+from tqcompile.tensor import QuantizedTensor
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_unsupported_reason"]
 
@@ -97,6 +98,28 @@ def _weight_ends(num_experts: int, rows: int, device: torch.device) -> torch.Ten
     return torch.arange(1, num_experts + 1, device=device, dtype=torch.int64) * rows
 
 
+def quantize_expert_weight(
+    weight: torch.Tensor, q: Quantizer, *, dgrad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(payload, scale_inv, amax) of the (E, N, K) expert weight as the grouped GEMMs read it, each
+    expert with its own scales: fprop's (E*N, K) operand, or with `dgrad` that of the per-expert
+    transposes, (E*K, N). Experts are quantized independently, so quantizing a slice of experts
+    (an FSDP2 shard on dim 0) gives that slice of the whole's result."""
+    e, n, k = weight.shape
+    w = weight.transpose(1, 2) if dgrad else weight
+    rows = k if dgrad else n
+    g = _quantize_grouped(w.reshape(e * rows, -1), q, _weight_ends(e, rows, weight.device), columnwise=False, amax_group=None)
+    return g.data, g.scale_inv, g.amax
+
+
+def _weight_operand(weight: torch.Tensor, q: Quantizer, *, dgrad: bool) -> _Grouped:
+    """fprop's (or dgrad's) grouped operand of the (E, N, K) weight: quantized here, or, for a weight
+    FSDP2 all-gathered quantized (a 3-D `QuantizedTensor`), its rowwise (columnwise) usage as it is."""
+    if isinstance(weight, QuantizedTensor):
+        return _Grouped(*weight.usage(dgrad), weight.quantizer)
+    return _Grouped(*quantize_expert_weight(weight, q, dgrad=dgrad), q)
+
+
 def _expert_of_token(ends: torch.Tensor, num_tokens: int) -> torch.Tensor:
     pos = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
     return torch.searchsorted(ends, pos, right=True).clamp_(max=ends.numel() - 1)
@@ -115,10 +138,8 @@ class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ends, recipe: Recipe, amax_group, backward: bool):
         r = recipe
-        num_experts, n, k = weight.shape
-        w_ends = _weight_ends(num_experts, n, weight.device)
         qx = _quantize_grouped(x, r.fprop_input, ends, columnwise=False, amax_group=amax_group)
-        qw = _quantize_grouped(weight.reshape(num_experts * n, k), r.fprop_weight, w_ends, columnwise=False, amax_group=None)
+        qw = _weight_operand(weight, r.fprop_weight, dgrad=False)
         y = gops.grouped_gemm_tn(*qx.args(), *qw.args(), ends, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)[_expert_of_token(ends, x.shape[0])]
@@ -146,10 +167,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         dx = dw = db = qdy = None
         if ctx.needs_input_grad[0]:
             qdy = _quantize_grouped(dy, r.dgrad_grad, ends, columnwise=False, amax_group=a.amax_group)
-            w_t = weight.transpose(1, 2).reshape(num_experts * k, n)
-            qwt = _quantize_grouped(
-                w_t, r.dgrad_weight, _weight_ends(num_experts, k, weight.device), columnwise=False, amax_group=None
-            )
+            qwt = _weight_operand(weight, r.dgrad_weight, dgrad=True)
             dx = gops.grouped_gemm_tn(*qdy.args(), *qwt.args(), ends, False, a.input_dtype)
         if ctx.needs_input_grad[1]:
             if a.wgrad_quantizer is None:
