@@ -76,7 +76,7 @@ from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import experts_layout
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
-from tqcompile.tensor import QuantizedTensor
+from tqcompile.tensor import GroupedQuantizedTensor, QuantizedTensor
 
 __all__ = [
     "QuantizedWeight",
@@ -318,7 +318,7 @@ def _refill(out: QuantizedTensor, got: dict[str, torch.Tensor]) -> None:
 
 
 def _experts_post_all_gather(gathered: torch.Tensor, plan: ExpertsPlan, param_dtype: torch.dtype, out: torch.Tensor | None):
-    """`fsdp_post_all_gather` of a 3-D expert weight: the 3-D QuantizedTensor (`fsdp_experts`), or a refill of `out`."""
+    """`fsdp_post_all_gather` of a 3-D expert weight: a `GroupedQuantizedTensor` (`fsdp_experts`), or a refill of `out`."""
     if plan.high_precision:
         return _high_precision_result(gathered.view(-1, *plan.shape[1:])[: plan.shape[0]], out)
     got = experts_unpack(gathered, plan)
@@ -330,7 +330,7 @@ def _experts_post_all_gather(gathered: torch.Tensor, plan: ExpertsPlan, param_dt
         if name not in got:
             got[name] = torch.empty(shape, dtype=dtype, device=gathered.device)
             poison(got[name])
-    result = QuantizedTensor(plan.shape, plan.quantizer, param_dtype, None, **got)
+    result = GroupedQuantizedTensor(plan.shape, plan.quantizer, param_dtype, None, **got)
     return result, list(result._inner().values())
 
 

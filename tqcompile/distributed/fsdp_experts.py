@@ -7,8 +7,8 @@ its own scales (`tq.nn.grouped.quantize_expert_weight`), so a rank quantizes its
 amax collective at all) into exactly the bytes a single process gets for them. Per gather a rank
 packs the usages the pass needs, as the grouped GEMMs read them: fprop's (E*N, K) operand and / or
 dgrad's per-expert transposes (E*K, N), payload, scales and (NVFP4) per-expert amaxes, in one
-uint8 buffer; the gathered buffers concatenate along the experts into a 3-D `QuantizedTensor`
-(see `tqcompile.tensor`) in the parameter's stored shape: for a transposed layout (E, in, out),
+uint8 buffer; the gathered buffers concatenate along the experts into a `GroupedQuantizedTensor`
+(`tqcompile.tensor`) in the parameter's stored shape: for a transposed layout (E, in, out),
 GPT-OSS's, fprop's operand is the columnwise usage, which ``transpose(1, 2)`` makes rowwise.
 
 Which usages travel is decided as for 2-D weights (`fsdp._gather_usages`); a tensorwise FP8 weight
@@ -96,7 +96,7 @@ def pack(shard: torch.Tensor, plan: ExpertsPlan) -> torch.Tensor:
 
 
 def unpack(gathered: torch.Tensor, plan: ExpertsPlan) -> dict[str, torch.Tensor]:
-    """The 3-D QuantizedTensor's inner tensors from every rank's buffer (rank after rank): each part
+    """The `GroupedQuantizedTensor`'s inner tensors from every rank's buffer (rank after rank): each part
     concatenates along the experts; dgrad's usage is transposed from fprop's where `derives_dgrad`."""
     per_rank = gathered.view(_U8).view(plan.world, -1)
     got, offset = {}, 0

@@ -36,7 +36,7 @@ from tqcompile.ops import grouped_gemm as gops
 from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
-from tqcompile.tensor import QuantizedTensor
+from tqcompile.tensor import GroupedQuantizedTensor
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_unsupported_reason"]
 
@@ -114,8 +114,8 @@ def quantize_expert_weight(
 
 def _weight_operand(weight: torch.Tensor, q: Quantizer, *, dgrad: bool) -> _Grouped:
     """fprop's (or dgrad's) grouped operand of the (E, N, K) weight: quantized here, or, for a weight
-    FSDP2 all-gathered quantized (a 3-D `QuantizedTensor`), its rowwise (columnwise) usage as it is."""
-    if isinstance(weight, QuantizedTensor):
+    FSDP2 all-gathered quantized (a `GroupedQuantizedTensor`), its rowwise (columnwise) usage as it is."""
+    if isinstance(weight, GroupedQuantizedTensor):
         return _Grouped(*weight.usage(dgrad), weight.quantizer)
     return _Grouped(*quantize_expert_weight(weight, q, dgrad=dgrad), q)
 
