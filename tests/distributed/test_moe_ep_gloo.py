@@ -54,7 +54,7 @@ TOKENS, HIDDEN, EXPERTS = 32, 64, 4  # per rank, for the experts-module checks
 # over the whole. The experts check has fp8_tensorwise: per-expert scales see the same tokens.
 # (layout, recipe): Mixtral's gated layout, GPT-OSS's transposed one with biases, torchtitan's.
 EXPERTS_CASES = [("mixtral", "fp8_tensorwise"), ("mixtral", "mxfp8"), ("gpt_oss", "fp8_rowwise"), ("titan", "mxfp8")]
-TRAIN_CASES = [("mixtral", "fp8_rowwise"), ("qwen3_moe", "mxfp8"), ("gpt_oss", "mxfp8"), ("titan", "fp8_rowwise")]
+TRAIN_CASES = [("qwen3_moe", "mxfp8"), ("titan", "fp8_rowwise")]
 
 
 def _model(kind: str, recipe: str, num_experts: int = EXPERTS):
