@@ -14,8 +14,9 @@ rank routes its own tokens, sorted by global expert, counts (E,))::
 An expert's tokens from every rank meet on its owner, in rank order, so its per-expert scales
 (weight, activations, gradients) are those a single process computes on the whole batch: no amax
 is reduced across ranks. The token split sizes are data-dependent: the dispatch reads them on the
-host (a sync, and a graph break under torch.compile); `compute_local` between the all-to-alls runs
-no collective and compiles with ``fullgraph=True``.
+host (`.tolist()`, one device sync per layer). Under torch.compile they become unbacked SymInts and
+the dispatch compiles with ``fullgraph=True`` inside the model's blocks, with no recompile for a new
+routing (checked on torch 2.13 with aot_eager, forward and backward equal to eager bit for bit).
 
 The expert weights become DTensors sharded `Shard(0)` on the EP mesh: the optimizer updates each
 rank's experts, and `torch.distributed.checkpoint` (`tq.distributed.checkpoint`) saves them sharded
@@ -65,7 +66,8 @@ class ExpertParallelDispatch:
         local = self.num_experts // self.world
         # received[s, e]: how many tokens rank s sends to this rank's local expert e.
         received = all_to_all_single(counts.to(torch.int64), None, None, self.group_name).view(self.world, local)
-        # Split sizes must be host ints (all-to-all sizes are data-dependent): one sync per layer.
+        # Split sizes are host ints (all-to-all sizes are data-dependent): one sync per layer; compiled,
+        # unbacked SymInts.
         sent = counts.view(self.world, local).sum(1).tolist()
         got = received.sum(1).tolist()
         tokens = all_to_all_single_autograd(x, got, sent, self.group_name)

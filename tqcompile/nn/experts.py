@@ -154,8 +154,7 @@ class QuantizedExperts(QuantizedModule):
 
     def compute_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' MLP on tokens `x` sorted by this rank's experts, `counts` (int64) per expert:
-        the part of the forward that runs no collective, and compiles with ``fullgraph=True`` under
-        expert parallelism too (where the dispatch around it needs host values)."""
+        the part of the forward between the expert-parallel all-to-alls, which runs no collective."""
         if self.tq_experts_layout.style == "hf":
             h = self._expert_gemm(0, x, counts)
             h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
