@@ -11,14 +11,25 @@ from torch import nn
 HF_MOE_KINDS = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
-def tiny_hf_moe(kind: str, *, seed: int = 0, num_experts: int = 4, hidden: int = 64, layers: int = 2, **overrides) -> nn.Module:
-    """A tiny `*ForCausalLM` of `kind` (see `HF_MOE_KINDS`) built from its config, seeded, in eval mode."""
+def tiny_hf_moe(
+    kind: str,
+    *,
+    seed: int = 0,
+    num_experts: int = 4,
+    hidden: int = 64,
+    layers: int = 2,
+    intermediate: int = 64,
+    experts_implementation: str | None = None,
+    **overrides,
+) -> nn.Module:
+    """A tiny `*ForCausalLM` of `kind` (see `HF_MOE_KINDS`) built from its config, seeded, in eval
+    mode; `experts_implementation` as transformers takes it ("grouped_mm", the default, or "eager")."""
     import transformers
 
     common = dict(
         vocab_size=128,
         hidden_size=hidden,
-        intermediate_size=64,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -28,14 +39,15 @@ def tiny_hf_moe(kind: str, *, seed: int = 0, num_experts: int = 4, hidden: int =
         cfg = transformers.MixtralConfig(num_local_experts=num_experts, num_experts_per_tok=2, **common, **overrides)
     elif kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(
-            num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16, **common, **overrides
+            num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=intermediate, head_dim=16, **common, **overrides
         )
     elif kind == "gpt_oss":
         cfg = transformers.GptOssConfig(num_local_experts=num_experts, num_experts_per_tok=2, head_dim=16, **common, **overrides)
     else:
         raise ValueError(f"tiny_hf_moe: kind={kind!r}; allowed: {HF_MOE_KINDS}")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **kwargs)
     if kind == "gpt_oss":
         # GPT-OSS initialises its expert biases and router to zeros: give them values, so that a
         # test sees biases applied and tokens routed unevenly.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -152,12 +153,13 @@ def test_final_window_never_exceeds_the_steps_that_ran() -> None:
 
 
 def test_a_refused_recipe_is_one_line_not_a_row_of_dashes() -> None:
-    # What the demo does with --moe --recipes fp8_delayed: the recipe cannot serve the experts.
+    # What the demo does with --moe and a recipe that cannot serve the experts (2-D blocks on tokens).
+    two_d = dataclasses.replace(tq.recipes.fp8_blockwise(), name="fp8_delayed", fprop_input=tq.recipes.fp8_blockwise().fprop_weight)
     with pytest.raises(ValueError) as exc:
-        quantize_model(GPT(GPTConfig(n_layer=2, n_experts=4)), tq.recipes.get("fp8_delayed"))
+        quantize_model(GPT(GPTConfig(n_layer=2, n_experts=4)), two_d)
     reason = str(exc.value)
     assert "cannot serve 4 layers (blocks.0.mlp.w_in, blocks.0.mlp.w_out, blocks.1.mlp.w_in, blocks.1.mlp.w_out): " in reason
-    assert reason.count("delayed scaling") == 1, reason  # the reason is said once, not once per layer
+    assert reason.count("2-D blocks") == 1, reason  # the reason is said once, not once per layer
     cfg = DemoConfig(steps=3, n_experts=4)
     base = RunResult("bf16", losses=[3.0, 2.5, 2.0], step_times_s=[5.0, 0.1, 0.1])
     table = format_table([base, RunResult("fp8_delayed", error=reason)], cfg)

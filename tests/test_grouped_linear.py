@@ -45,8 +45,8 @@ def _recipe(name: str) -> tq.Recipe:
     return {"nvfp4_no_sr": _nvfp4_no_sr, "mixed_wgrad": _mixed_wgrad}.get(name, lambda: tq.recipes.get(name))()
 
 
-# Every recipe GroupedLinear takes (fp8_delayed is refused: see test_bad_input), with the block its
-# wgrad operands use along the tokens.
+# Every current-scaling recipe, with the block its wgrad operands use along the tokens (fp8_delayed:
+# test_delayed_scaling_one_window_per_expert).
 BIT_EXACT = {
     "fp8_tensorwise": 1,
     "fp8_rowwise": 1,
@@ -316,8 +316,9 @@ def test_bad_input():
         ValueError, match=r"grouped_amax: m_splits=\[2, 2, 2, 3\] must be non-negative per-expert token counts summing"
     ):
         gops.grouped_amax(x, q, torch.tensor([2, 4, 6, 9]), False)
-    with pytest.raises(ValueError, match="uses delayed scaling.*use a current-scaling recipe"):
-        tq.nn.GroupedLinear(2, 32, 16, recipe=tq.recipes.fp8_delayed())
+    # Delayed scaling needs per-expert histories: the function refuses a call without them.
+    with pytest.raises(ValueError, match="uses delayed scaling.*or pass amax_histories"):
+        tq.nn.grouped_linear(x, torch.tensor([2, 2, 2, 2]), experts.weight, None, tq.recipes.fp8_delayed())
     two_d = dataclasses.replace(tq.recipes.fp8_blockwise(), fprop_input=tq.recipes.fp8_blockwise().fprop_weight)
     with pytest.raises(ValueError, match="fprop_input=.*2-D blocks on a token operand would mix tokens of different experts"):
         tq.nn.GroupedLinear(2, 128, 128, recipe=two_d)
@@ -379,3 +380,21 @@ def test_opcheck_grouped_gemm(qname, float8_comparable):
     torch.library.opcheck(gops.grouped_mm_wgrad, (dy, x, ends, torch.float32))
 
 
+
+
+def test_delayed_scaling_one_window_per_expert():
+    """fp8_delayed: (L, E) histories, one window per expert; the dense (E, C, in) form runs the
+    grouped op with equal counts; histories roll in training mode only."""
+    torch.manual_seed(0)
+    experts = tq.nn.GroupedLinear(E, K, N, recipe=tq.recipes.fp8_delayed(amax_history_len=3))
+    assert experts.amax_history_weight.shape == (3, E)
+    x = torch.randn(E, 8, K)
+    experts(x).sum().backward()
+    torch.testing.assert_close(experts.amax_history_weight[0], experts.weight.detach().abs().amax((1, 2)), rtol=0, atol=0)
+    torch.testing.assert_close(experts.amax_history_input[0], x.abs().amax((1, 2)), rtol=0, atol=0)
+    assert (experts.amax_history_grad[0] > 0).all()
+    before = experts.amax_history_input.clone()
+    experts.eval()
+    y_dense = experts(x)
+    y_grouped = experts(x.reshape(-1, K), torch.full((E,), 8))
+    assert torch.equal(y_dense.reshape(-1, N), y_grouped) and torch.equal(experts.amax_history_input, before)

@@ -206,5 +206,6 @@ def test_grouped_linear_bad_input():
         experts(torch.ones(4, 32), m_splits=[1, 2])
     with pytest.raises(ValueError, match="num_experts=0; allowed: an int >= 1"):
         tq.nn.GroupedLinear(0, 32, 16, recipe=tq.recipes.fp8_tensorwise())
-    with pytest.raises(ValueError, match="uses delayed scaling.*use a current-scaling recipe"):
-        tq.nn.GroupedLinear(2, 32, 16, recipe=tq.recipes.fp8_delayed())
+    two_d = dataclasses.replace(tq.recipes.fp8_blockwise(), fprop_input=tq.recipes.fp8_blockwise().fprop_weight)
+    with pytest.raises(ValueError, match="2-D blocks on a token operand would mix tokens of different experts"):
+        tq.nn.GroupedLinear(2, 128, 128, recipe=two_d)

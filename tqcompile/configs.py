@@ -8,7 +8,11 @@ users expect left in high precision:
   included);
 - embeddings (`nn.Embedding`);
 - the output head: modules whose canonical name is, or ends in, ``lm_head``, ``head``,
-  ``output`` or ``output_layer`` (e.g. ``lm_head``, ``model.head``);
+  ``output`` or ``output_layer`` (e.g. ``lm_head``, ``model.head``), and the classification heads
+  of Hugging Face models, ``classifier`` (BERT, ViT: ``BertForSequenceClassification.classifier``)
+  and ``score`` (decoder models' ``*ForSequenceClassification``, e.g. ``LlamaForSequenceClassification.score``),
+  with every module under a ``classifier`` (RoBERTa's head is a module of its own:
+  ``classifier.dense``, ``classifier.out_proj``);
 - MoE routers: names that are, or end in, ``router`` or ``gate`` (e.g. ``block_sparse_moe.gate``;
   not ``mlp.gate_proj``).
 
@@ -40,7 +44,12 @@ NORMS: tuple[type, ...] = (
     nn.RMSNorm,
     nn.GroupNorm,
 )
-HEAD_NAMES = ("lm_head", "head", "output", "output_layer")
+# The head's output is the loss's input (logits): quantizing it costs the most accuracy for the least
+# compute. `classifier` and `score` are the names Hugging Face gives classification heads.
+HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier", "score")
+# Heads Hugging Face builds as modules of their own (RobertaClassificationHead and some 20 more): their
+# layers too. Only `classifier`: `output` is also the name of every BERT layer's output block.
+HEAD_MODULES = ("classifier",)
 ROUTER_NAMES = ("router", "gate")
 
 
@@ -52,6 +61,8 @@ def default_disabled() -> tuple[QuantRule, ...]:
     ]
     for n in HEAD_NAMES + ROUTER_NAMES:
         rules += [QuantRule.disable(n, must_match=False), QuantRule.disable(f"*.{n}", must_match=False)]
+    for n in HEAD_MODULES:
+        rules += [QuantRule.disable(f"{n}.*", must_match=False), QuantRule.disable(f"*.{n}.*", must_match=False)]
     return tuple(rules)
 
 

@@ -19,7 +19,8 @@ Checks:
   both layers, no recompile across steps (new routings), equal to eager bit for bit;
 - DCP: EP=2 -> one process and one process -> EP=2, model and optimizer, bit for bit; no
   collective while the state dict is traversed;
-- errors: an unconverted experts module; an EP size that does not divide the experts.
+- errors: an unconverted experts module; an EP size that does not divide the experts; delayed
+  scaling (its per-expert histories are not sharded).
 """
 
 from __future__ import annotations
@@ -254,6 +255,7 @@ def _errors(rank: int, mesh) -> dict:
     return {
         "unconverted": error(lambda: tq.distributed.expert_parallel(tiny_hf_moe("mixtral"), mesh)),
         "indivisible": error(lambda: tq.distributed.expert_parallel(_model("titan", "mxfp8", num_experts=3), mesh)),
+        "delayed": error(lambda: tq.distributed.expert_parallel(_model("titan", "fp8_delayed"), mesh)),
     }
 
 
@@ -282,6 +284,7 @@ def test_expert_parallel_two_ranks(tmp_path):
         assert res["compile"] == {"equal": True, "frames": 1, "recompiles": 0, "graph_breaks": 0}
         assert "is not converted; call tq.convert" in res["errors"]["unconverted"]
         assert "has 3 experts, not a multiple of the EP size 2" in res["errors"]["indivisible"]
+        assert "uses delayed scaling (fp8_delayed)" in res["errors"]["delayed"]
         ckpt = res["checkpoint"]
         assert ckpt["traversal collectives"] == {}
         assert ckpt["ep2->1"] == (True, []) and ckpt["ep1->2"] == (True, [])

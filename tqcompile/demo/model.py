@@ -66,7 +66,7 @@ class Experts(nn.Module):
 
 
 def _experts_unsupported_reason(module: Experts, recipe: tq.Recipe) -> str | None:
-    return grouped_unsupported_reason(recipe, module.in_features, module.out_features)
+    return grouped_unsupported_reason(recipe, module.in_features, module.out_features, histories=True)
 
 
 @tq.nn.register_converter(Experts, unsupported_reason=_experts_unsupported_reason)

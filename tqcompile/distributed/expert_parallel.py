@@ -109,6 +109,11 @@ def expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
                 f"expert_parallel: experts module {name or '<root>'!r} ({type(module).__name__}) is not converted; "
                 "call tq.convert(model, recipe) first (its routing then runs through tqcompile)"
             )
+        if module.recipe.amax_history_len:
+            raise ValueError(
+                f"expert_parallel: experts module {name or '<root>'!r} uses delayed scaling ({module.recipe.name}), whose "
+                "per-expert amax histories are not sharded with the experts; use a current-scaling recipe"
+            )
         if module.tq_dispatch is not None:
             raise ValueError(f"expert_parallel: experts module {name or '<root>'!r} is already expert-parallel")
         _shard_experts(module, name or "<root>", ep_mesh)

@@ -480,6 +480,8 @@ def _enable(module: nn.Module, layer: str, owners: dict[int, list[tuple[str, nn.
     layout = experts_layout(module)
     if layout is None:
         return _wrap(module, "weight", 2, layer, owners, caller)
+    if module.recipe.amax_history_len:
+        return False  # delayed scaling rolls per-expert histories inside the grouped GEMM: gathered in high precision
     # A converted experts module: each of its 3-D expert weights (`fsdp_experts`).
     return any([_wrap(module, g.weight, 3, f"{layer}.{g.weight}", owners, caller) for g in layout.gemms])
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tqcompile.nn.base import QuantizedModule
-from tqcompile.nn.functional import linear
+from tqcompile.nn.functional import layer_linear
 from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.recipes import Recipe
@@ -218,7 +218,7 @@ class QuantizedMultiheadAttention(QuantizedModule, _AmaxHistoryOwner, nn.Multihe
         self.reset_amax_histories()
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: str) -> torch.Tensor:
-        return linear(
+        return layer_linear(
             x,
             weight,
             bias,
@@ -226,6 +226,7 @@ class QuantizedMultiheadAttention(QuantizedModule, _AmaxHistoryOwner, nn.Multihe
             amax_group=self.amax_group_name,
             amax_histories=self._histories(slot),
             update_amax_histories=self.training,  # histories roll in training mode only
+            layer=self,
         )
 
     def forward(

@@ -16,9 +16,15 @@ class QuantizedModule:
 
     A mixin, placed before the `nn.Module` base; ask `is_converted(module)` rather than looking
     for a `recipe` attribute (a user's module may have one of its own).
+
+    `tq_fqn` is the module's name in the model `tq.convert` converted (the `fqn` its `filter_fn`
+    saw), or None for a module built directly (`tq.nn.Linear(...)`). Errors raised when the module
+    runs name it, and can then say how to leave it out of the conversion. (Prefixed `tq_`: a
+    converted module's class inherits from the user's, whose attributes it must not shadow.)
     """
 
     recipe: Recipe
+    tq_fqn: str | None = None
 
 
 def is_converted(module: nn.Module) -> bool:

@@ -299,7 +299,8 @@ _CONV = (
 
 
 def _routers(modules: dict[str, nn.Module]) -> set[str]:
-    """Names of the MoE routers: siblings of an experts module whose weight has one row per expert."""
+    """Names of the MoE routers: modules beside an experts module (under its parent, outside the
+    experts) whose 2-D weight has one row per expert (HunYuan nests its `nn.Linear` one level down)."""
     routers = set()
     for name, module in modules.items():
         layout = experts_layout(module)
@@ -307,10 +308,12 @@ def _routers(modules: dict[str, nn.Module]) -> set[str]:
             continue
         num_experts = module._parameters[layout.gemms[0].weight].shape[0]
         parent = name.rpartition(".")[0]
-        for child_name, child in modules[parent]._modules.items():
-            w = None if child is None or child is module else child._parameters.get("weight")
+        for sub_name, sub in modules[parent].named_modules(prefix=parent):
+            if sub_name == name or sub_name.startswith(f"{name}."):
+                continue
+            w = sub._parameters.get("weight")
             if w is not None and w.dim() == 2 and w.shape[0] == num_experts:
-                routers.add(_child_name(parent, child_name))
+                routers.add(sub_name)
     return routers
 
 
@@ -324,21 +327,23 @@ def _left_alone(
     routers = _routers(modules)
     out: dict[str, str] = {}
     for name, module in modules.items():
-        if filter_fn is not None and not filter_fn(module, name):
-            continue
-        if name in routers and (name not in plan or plan[name].action == "convert"):
-            out[name] = _ROUTER
+        reason = None
+        if name in routers and (name not in plan or plan[name].action != "already converted"):
+            reason = _ROUTER
         elif name in plan or is_converted(module):
             continue
         elif isinstance(module, nn.modules.conv._ConvNd):
-            out[name] = _CONV
+            reason = _CONV
         else:
             stacked = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
             if stacked:
-                out[name] = (
+                reason = (
                     f"holds 3-D parameters {stacked} that no tqcompile converter recognises (an experts module must look like "
                     "transformers' use_experts_implementation classes or torchtitan's GroupedExperts; docs/moe.md)"
                 )
+        # A router filter_fn already excluded is not in the plan; ask filter_fn about the others only here.
+        if reason is not None and (name in plan or filter_fn is None or filter_fn(module, name)):
+            out[name] = reason
     return out
 
 
@@ -376,7 +381,12 @@ def convert_layers(
     _check_not_sharded(modules, plan)
     for p in plan:
         if p.action == "convert":
-            _entry_for(modules[p.name]).convert(modules[p.name], recipe)
+            module = modules[p.name]
+            _entry_for(module).convert(module, recipe)
+            # The name filter_fn saw: errors the layer raises at run time (a token count its blocks
+            # cannot split) name it and show the filter_fn that keeps it in high precision.
+            if is_converted(module):  # (a user's converter may make a module that is not a QuantizedModule)
+                module.tq_fqn = p.name
     for module in model.modules():
         # nn.TransformerEncoder packs a padded batch into a nested tensor in inference; converted
         # layers take the padded batch and its key padding mask instead.

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.grouped import grouped_linear, grouped_unsupported_reason
+from tqcompile.nn.histories import HISTORY_PREFIX, _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
 __all__ = ["ExpertGemm", "ExpertsLayout", "experts_layout", "QuantizedExperts", "experts_unsupported_reason", "sort_by_expert"]
@@ -98,10 +99,13 @@ def experts_unsupported_reason(module: nn.Module, recipe: Recipe) -> str | None:
         )
     for g in layout.gemms:
         _, k, n = _gemm_shape(module, g)
-        reason = grouped_unsupported_reason(recipe, k, n)
+        reason = grouped_unsupported_reason(recipe, k, n, histories=True)
         if reason:
             return f"{g.weight} ({k} -> {n} per expert): {reason}"
     return None
+
+
+_OPERANDS = ("input", "weight", "grad")
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +118,7 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     return perm, counts
 
 
-class QuantizedExperts(QuantizedModule):
+class QuantizedExperts(_AmaxHistoryOwner, QuantizedModule):
     """Mixin `tq.convert` puts *before* an experts module's own class (see the module docstring):
     its `forward` runs the module's routing with every expert GEMM quantized per expert.
 
@@ -122,7 +126,14 @@ class QuantizedExperts(QuantizedModule):
     combining. Under expert parallelism (`tq.distributed.expert_parallel`), `tq_dispatch` sends
     each token to the rank holding its expert before `compute_local` and brings the result back
     after it; the 3-D weights are then DTensors sharded on dim 0, and `compute_local` uses this
-    rank's experts. A subclass (the fake-quantized experts of `tq.calibrate`) changes `_expert_gemm` only.
+    rank's experts.
+
+    Delayed scaling (`fp8_delayed`): each GEMM keeps fp32 histories of shape
+    (amax_history_len, E), one window per expert, as persistent buffers
+    ``amax_history_<weight>_{input,weight,grad}`` (a checkpoint without them loads, with zeros:
+    `tqcompile.nn.histories`). Other recipes add no buffer: the `state_dict` is the float model's.
+
+    A subclass (the fake-quantized experts of `tq.calibrate`) changes `_expert_gemm` only.
     """
 
     tq_experts_layout: ExpertsLayout
@@ -137,6 +148,10 @@ class QuantizedExperts(QuantizedModule):
         self.recipe = recipe
         self.amax_group_name = None
         self.tq_experts_layout = layout
+        for g in layout.gemms:
+            w = self._parameters[g.weight]
+            for operand in _OPERANDS:
+                self._register_amax_history(f"{HISTORY_PREFIX}{g.weight}_{operand}", recipe.amax_history_len, w.device, w.shape[0])
 
     def _local_param(self, name: str) -> torch.Tensor:
         """This rank's part of a parameter: the local shard of an expert-parallel DTensor (its
@@ -150,7 +165,12 @@ class QuantizedExperts(QuantizedModule):
         w = self._local_param(g.weight)
         w = w.transpose(1, 2) if g.transposed else w
         bias = None if g.bias is None else self._local_param(g.bias)
-        return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
+        if not self.recipe.amax_history_len:
+            return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
+        histories = tuple(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"] for operand in _OPERANDS)
+        return grouped_linear(
+            x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=self.training
+        )
 
     def compute_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' MLP on tokens `x` sorted by this rank's experts, `counts` (int64) per expert:

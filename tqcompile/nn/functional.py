@@ -29,6 +29,7 @@ import torch
 
 from tqcompile import ops
 from tqcompile.nn._checks import linear_input_error
+from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.operands import ActivationSource, Gemm, WeightSource, qgemm
 from tqcompile.ops.errors import raise_error
 from tqcompile.recipes import Recipe
@@ -188,10 +189,28 @@ def linear(
         update_amax_histories: False: scale from the histories but never roll them (what
             `tq.nn.Linear` passes in eval mode).
     """
+    return layer_linear(
+        x, weight, bias, recipe, amax_group=amax_group, amax_histories=amax_histories, update_amax_histories=update_amax_histories
+    )
+
+
+def layer_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe,
+    *,
+    amax_group: str | None = None,
+    amax_histories: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    update_amax_histories: bool = True,
+    layer: QuantizedModule | None = None,
+) -> torch.Tensor:
+    """`linear` as a layer calls it: `layer` is the calling module, whose name in the model
+    `tq.convert` converted (`QuantizedModule.tq_fqn`) the call's errors name."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"linear: recipe must be a tq.Recipe (e.g. tq.recipes.fp8_tensorwise()), got {type(recipe).__name__}")
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    input_error = linear_input_error(x, weight, recipe, backward)
+    input_error = linear_input_error(x, weight, recipe, backward, layer)
     if input_error is None and recipe.amax_history_len and amax_histories is None:
         raise ValueError(f"linear: recipe {recipe.name!r} uses delayed scaling; pass amax_histories (tq.nn.Linear owns them)")
     side = _LOCAL_ACTIVATION if amax_group is None else ActivationSource(amax_group)

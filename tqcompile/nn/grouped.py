@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tqcompile import ops
 from tqcompile.api import SUPPORTED_DTYPES
 from tqcompile.groups import all_reduce_amax
 from tqcompile.nn.functional import linear
@@ -43,9 +44,10 @@ __all__ = ["GroupedLinear", "grouped_linear", "grouped_unsupported_reason"]
 _TOKEN_OPERANDS = ("fprop_input", "dgrad_grad", "wgrad_grad", "wgrad_input")
 
 
-def grouped_unsupported_reason(recipe: Recipe, in_features: int, out_features: int) -> str | None:
-    """Why `recipe` cannot serve a GroupedLinear of these sizes (None if it can)."""
-    if recipe.amax_history_len:
+def grouped_unsupported_reason(recipe: Recipe, in_features: int, out_features: int, *, histories: bool = False) -> str | None:
+    """Why `recipe` cannot serve a GroupedLinear of these sizes (None if it can); `histories`: the
+    caller owns per-expert delayed-scaling histories (converted experts modules do)."""
+    if recipe.amax_history_len and not histories:
         return (
             "it uses delayed scaling, whose one amax history per layer per-expert scales cannot use; use a current-scaling recipe"
         )
@@ -77,18 +79,29 @@ class _Grouped:
 
 
 def _quantize_grouped(
-    x: torch.Tensor, q: Quantizer, ends: torch.Tensor, *, columnwise: bool, amax_group: str | None, like: _Grouped | None = None
+    x: torch.Tensor,
+    q: Quantizer,
+    ends: torch.Tensor,
+    *,
+    columnwise: bool,
+    amax_group: str | None,
+    like: _Grouped | None = None,
+    history: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> _Grouped:
     """Quantize grouped tokens; `like`, an operand quantized from the same `x`, lends its
-    per-expert amax when neither quantizer transforms (the amax is then the same)."""
-    amax = None
-    if q.uses_tensor_amax():
+    per-expert amax when neither quantizer transforms (the amax is then the same). Delayed
+    scaling: `history` (L, E) gives the amax to scale with (and is rolled: pass a clone where it
+    must stay), or `amax` is that already decided."""
+    if amax is None and q.uses_tensor_amax():
         if like is not None and like.amax is not None and not (q.hadamard_transformed() or like.quantizer.hadamard_transformed()):
             amax = like.amax
         else:
             amax = gops.grouped_amax(x, q, ends, columnwise)
             if amax_group is not None:
                 amax = all_reduce_amax(amax, amax_group)
+            if history is not None:
+                amax = ops.amax_history_update(history, amax)
     seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device) if q.needs_seed() else None
     data, scale_inv = gops.grouped_quantize(x, q, ends, amax, seed, columnwise)
     return _Grouped(data, scale_inv, amax, q)
@@ -99,25 +112,27 @@ def _weight_ends(num_experts: int, rows: int, device: torch.device) -> torch.Ten
 
 
 def quantize_expert_weight(
-    weight: torch.Tensor, q: Quantizer, *, dgrad: bool
+    weight: torch.Tensor, q: Quantizer, *, dgrad: bool, history: torch.Tensor | None = None, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(payload, scale_inv, amax) of the (E, N, K) expert weight as the grouped GEMMs read it, each
     expert with its own scales: fprop's (E*N, K) operand, or with `dgrad` that of the per-expert
     transposes, (E*K, N). Experts are quantized independently, so quantizing a slice of experts
-    (an FSDP2 shard on dim 0) gives that slice of the whole's result."""
+    (an FSDP2 shard on dim 0) gives that slice of the whole's result. `history` / `amax`: delayed
+    scaling's (`_quantize_grouped`)."""
     e, n, k = weight.shape
     w = weight.transpose(1, 2) if dgrad else weight
     rows = k if dgrad else n
-    g = _quantize_grouped(w.reshape(e * rows, -1), q, _weight_ends(e, rows, weight.device), columnwise=False, amax_group=None)
+    ends = _weight_ends(e, rows, weight.device)
+    g = _quantize_grouped(w.reshape(e * rows, -1), q, ends, columnwise=False, amax_group=None, history=history, amax=amax)
     return g.data, g.scale_inv, g.amax
 
 
-def _weight_operand(weight: torch.Tensor, q: Quantizer, *, dgrad: bool) -> _Grouped:
+def _weight_operand(weight: torch.Tensor, q: Quantizer, *, dgrad: bool, history=None, amax=None) -> _Grouped:
     """fprop's (or dgrad's) grouped operand of the (E, N, K) weight: quantized here, or, for a weight
     FSDP2 all-gathered quantized (a `GroupedQuantizedTensor`), its rowwise (columnwise) usage as it is."""
     if isinstance(weight, GroupedQuantizedTensor):
         return _Grouped(*weight.usage(dgrad), weight.quantizer)
-    return _Grouped(*quantize_expert_weight(weight, q, dgrad=dgrad), q)
+    return _Grouped(*quantize_expert_weight(weight, q, dgrad=dgrad, history=history, amax=amax), q)
 
 
 def _expert_of_token(ends: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -132,14 +147,18 @@ class _GroupedCtx:
     input_dtype: torch.dtype
     wgrad_quantizer: Quantizer | None  # the saved input's quantizer (None: saved in high precision)
     has_bias: bool
+    update_histories: bool  # delayed scaling: roll the histories in backward (False: eval mode)
 
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ends, recipe: Recipe, amax_group, backward: bool):
+    def forward(ctx, x, weight, bias, ends, recipe: Recipe, amax_group, backward: bool, update: bool, hist_x, hist_w, hist_dy):
+        # hist_*: delayed scaling's (L, E) histories, or None. Forward scales from clones (as
+        # tq.nn.linear does): backward rolls the real ones, so a recomputed forward rolls nothing twice.
         r = recipe
-        qx = _quantize_grouped(x, r.fprop_input, ends, columnwise=False, amax_group=amax_group)
-        qw = _weight_operand(weight, r.fprop_weight, dgrad=False)
+        next_x, next_w = (None, None) if hist_x is None else (hist_x.clone(), hist_w.clone())
+        qx = _quantize_grouped(x, r.fprop_input, ends, columnwise=False, amax_group=amax_group, history=next_x)
+        qw = _weight_operand(weight, r.fprop_weight, dgrad=False, history=next_w)
         y = gops.grouped_gemm_tn(*qx.args(), *qw.args(), ends, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)[_expert_of_token(ends, x.shape[0])]
@@ -154,20 +173,30 @@ class _GroupedLinearFn(torch.autograd.Function):
             saved = [None, None, None]
         # The weight is a parameter: keep it (no extra memory) and quantize its columnwise usage in
         # backward, as it would be in forward (weights are never stochastically rounded).
-        ctx.save_for_backward(weight, ends, *saved)
-        ctx.args = _GroupedCtx(r, amax_group, x.dtype, r.wgrad_input, bias is not None)
+        delayed = None if next_x is None else torch.stack((next_x[0], next_w[0], qw.amax))  # current x, W; W's used amax
+        ctx.save_for_backward(weight, ends, *saved, delayed)
+        ctx.histories = (hist_x, hist_w, hist_dy)
+        ctx.args = _GroupedCtx(r, amax_group, x.dtype, r.wgrad_input, bias is not None, update)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         a: _GroupedCtx = ctx.args
         r = a.recipe
-        weight, ends, saved_x, saved_scale_inv, saved_amax = ctx.saved_tensors
+        weight, ends, saved_x, saved_scale_inv, saved_amax, delayed = ctx.saved_tensors
+        hist_x, hist_w, hist_dy = ctx.histories
+        if hist_dy is not None and not a.update_histories:
+            hist_dy = hist_dy.clone()  # eval mode: scale dy from its history, leave the history as it is
+        if hist_x is not None and a.update_histories:
+            ops.amax_history_update(hist_x, delayed[0])
+            ops.amax_history_update(hist_w, delayed[1])
         num_experts, n, k = weight.shape
         dx = dw = db = qdy = None
+        if ctx.needs_input_grad[0] or hist_dy is not None:
+            qdy = _quantize_grouped(dy, r.dgrad_grad, ends, columnwise=False, amax_group=a.amax_group, history=hist_dy)
         if ctx.needs_input_grad[0]:
-            qdy = _quantize_grouped(dy, r.dgrad_grad, ends, columnwise=False, amax_group=a.amax_group)
-            qwt = _weight_operand(weight, r.dgrad_weight, dgrad=True)
+            w_used = None if delayed is None else delayed[2]  # delayed scaling: the weight's forward scale
+            qwt = _weight_operand(weight, r.dgrad_weight, dgrad=True, amax=w_used)
             dx = gops.grouped_gemm_tn(*qdy.args(), *qwt.args(), ends, False, a.input_dtype)
         if ctx.needs_input_grad[1]:
             if a.wgrad_quantizer is None:
@@ -180,7 +209,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if a.has_bias and ctx.needs_input_grad[2]:
             ids = _expert_of_token(ends, dy.shape[0])
             db = dy.new_zeros(num_experts, n, dtype=torch.float32).index_add_(0, ids, dy.float()).to(dy.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _splits_error(m_splits, num_experts: int, num_tokens: int, device: torch.device) -> tuple[type[Exception], str] | None:
@@ -230,7 +259,9 @@ def _ends_from(m_splits, num_experts: int, num_tokens: int, device: torch.device
     return torch.tensor(m_splits, dtype=torch.int64, device=device).cumsum(0)
 
 
-def _grouped_input_error(x: torch.Tensor, m_splits, weight: torch.Tensor, recipe: Recipe) -> tuple[type[Exception], str] | None:
+def _grouped_input_error(
+    x: torch.Tensor, m_splits, weight: torch.Tensor, recipe: Recipe, histories: bool = False
+) -> tuple[type[Exception], str] | None:
     """(exception type, message) of the first problem with a grouped call, or None. Shapes in
     messages are plain ints (`shape_str`): under dynamic shapes a message must be a constant."""
     if x.dtype not in SUPPORTED_DTYPES:
@@ -244,8 +275,10 @@ def _grouped_input_error(x: torch.Tensor, m_splits, weight: torch.Tensor, recipe
             f"grouped_linear: expected x of shape (tokens, {weight.shape[-1]}) and weight (experts, out, in), "
             f"got x {shape_str(x.shape)} and weight {shape_str(weight.shape)}",
         )
-    reason = grouped_unsupported_reason(recipe, weight.shape[2], weight.shape[1])
+    reason = grouped_unsupported_reason(recipe, weight.shape[2], weight.shape[1], histories=histories)
     if reason:
+        if recipe.amax_history_len and not histories:
+            reason += "; or pass amax_histories (converted experts modules own them)"
         return ValueError, f"grouped_linear: recipe {recipe.name!r} cannot serve this call: {reason}"
     return _splits_error(m_splits, weight.shape[0], x.shape[0], x.device)
 
@@ -258,6 +291,8 @@ def grouped_linear(
     recipe: Recipe,
     *,
     amax_group: str | None = None,
+    amax_histories: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    update_amax_histories: bool = True,
 ) -> torch.Tensor:
     """Per expert e, ``y_e = x_e @ weight[e].T + bias[e]`` for the (T, in) tokens `x` sorted by
     expert, ``m_splits[e]`` of them for expert e, every GEMM operand quantized per expert as
@@ -269,17 +304,21 @@ def grouped_linear(
             recompile when it changes) or a list of E ints.
         weight: (E, out_features, in_features); bias: (E, out_features) or None.
         amax_group: name of the group whose ranks share activation and gradient amaxes.
+        amax_histories: delayed scaling (recipes with `amax_history_len`): the (input, weight,
+            grad) histories, fp32 of shape (amax_history_len, E), one window per expert; rolled
+            in backward when `update_amax_histories` (training), as `tq.nn.linear` rolls its own.
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"grouped_linear: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
-    error = _grouped_input_error(x, m_splits, weight, recipe)
+    error = _grouped_input_error(x, m_splits, weight, recipe, amax_histories is not None)
     if error is not None:
         # Raises now in eager mode; under torch.compile, when the compiled code runs, so the user
         # sees this message rather than Dynamo's "Observed exception" (tqcompile.ops.errors).
         return raise_error(*error, like=x, shape=(*x.shape[:-1], weight.shape[1]))
     ends = _ends_from(m_splits, weight.shape[0], x.shape[0], x.device)
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _GroupedLinearFn.apply(x, weight, bias, ends, recipe, amax_group, backward)
+    hists = amax_histories if recipe.amax_history_len and amax_histories is not None else (None, None, None)
+    return _GroupedLinearFn.apply(x, weight, bias, ends, recipe, amax_group, backward, update_amax_histories, *hists)
 
 
 class GroupedLinear(_Quantized, nn.Module):
@@ -314,7 +353,7 @@ class GroupedLinear(_Quantized, nn.Module):
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"GroupedLinear: num_experts={num_experts!r}; allowed: an int >= 1")
         _check_recipe(recipe, in_features, out_features, "tq.nn.GroupedLinear")
-        reason = grouped_unsupported_reason(recipe, in_features, out_features)
+        reason = grouped_unsupported_reason(recipe, in_features, out_features, histories=True)
         if reason:
             raise ValueError(
                 f"tq.nn.GroupedLinear: recipe {recipe.name!r} cannot serve {num_experts} experts {in_features} -> {out_features}: {reason}"
@@ -324,6 +363,11 @@ class GroupedLinear(_Quantized, nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
         self._init_quantized(recipe, amax_group)
+
+    def _init_quantized(self, recipe: Recipe, amax_group=None) -> None:
+        super()._init_quantized(recipe, amax_group)
+        for name in self._amax_history_names():  # delayed scaling: one window per expert, (L, E)
+            self._register_amax_history(name, recipe.amax_history_len, self.weight.device, self.num_experts)
 
     def reset_parameters(self) -> None:
         for e in range(self.num_experts):
@@ -338,13 +382,18 @@ class GroupedLinear(_Quantized, nn.Module):
                     f"GroupedLinear: with m_splits, expected x of shape (tokens, {self.in_features}), got {shape_str(x.shape)}"
                 )
                 return raise_error(ValueError, message, like=x, shape=(*x.shape[:-1], self.out_features))
-            return grouped_linear(x, m_splits, self.weight, self.bias, self.recipe, amax_group=self.amax_group_name)
+            return self._grouped(x, m_splits)
         if x.dim() != 3 or x.shape[0] != self.num_experts:
             message = (
                 f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, "
                 f"got {shape_str(x.shape)}"
             )
             return raise_error(ValueError, message, like=x, shape=(*x.shape[:-1], self.out_features))
+        if self.recipe.amax_history_len:
+            # Delayed scaling: the per-expert histories serve the grouped op; equal counts give
+            # the per-expert loop's results.
+            counts = torch.full((self.num_experts,), x.shape[1], dtype=torch.int64, device=x.device)
+            return self._grouped(x.reshape(-1, x.shape[-1]), counts).view(*x.shape[:2], self.out_features)
         # One quantized linear per expert: every expert's weight and tokens get their own scales.
         outs = [
             linear(
@@ -353,6 +402,13 @@ class GroupedLinear(_Quantized, nn.Module):
             for e, chunk in enumerate(x.unbind(0))
         ]
         return torch.stack(outs)
+
+    def _grouped(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        hist = self._histories()
+        update = self.training if hist is not None else True
+        return grouped_linear(
+            x, m_splits, self.weight, self.bias, self.recipe, amax_group=self.amax_group_name, amax_histories=hist, update_amax_histories=update
+        )
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe.name}"

@@ -28,11 +28,13 @@ HISTORY_PREFIX = "amax_history_"
 class _AmaxHistoryOwner:
     """Mixin (before the `nn.Module` base) for modules whose ``amax_history_*`` buffers hold delayed-scaling state."""
 
-    def _register_amax_history(self, name: str, length: int, device: torch.device | None) -> None:
-        """Register the history `name` (``amax_history_...``): `length` fp32 zeros, or None when `length` is 0."""
+    def _register_amax_history(self, name: str, length: int, device: torch.device | None, columns: int | None = None) -> None:
+        """Register the history `name` (``amax_history_...``): `length` fp32 zeros (`columns` of
+        them side by side, (length, columns), one window per expert), or None when `length` is 0."""
         if not name.startswith(HISTORY_PREFIX):
             raise ValueError(f"amax history buffer name {name!r} must start with {HISTORY_PREFIX!r}")
-        self.register_buffer(name, torch.zeros(length, dtype=torch.float32, device=device) if length else None)
+        shape = (length,) if columns is None else (length, columns)
+        self.register_buffer(name, torch.zeros(shape, dtype=torch.float32, device=device) if length else None)
 
     def _amax_history_names(self) -> list[str]:
         return [n for n, b in self._buffers.items() if n.startswith(HISTORY_PREFIX) and b is not None]

@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from tqcompile.groups import group_name_of
 from tqcompile.nn.base import QuantizedModule
-from tqcompile.nn.functional import linear
+from tqcompile.nn.functional import layer_linear
 from tqcompile.nn.histories import _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
@@ -73,7 +73,7 @@ class Linear(_Quantized, nn.Linear):
         update = self.training if self.recipe.amax_history_len else True
         if isinstance(self.weight, DTensor):
             _refuse_dtensor_weight(self)
-        return linear(
+        return layer_linear(
             x,
             self.weight,
             self.bias,
@@ -81,6 +81,7 @@ class Linear(_Quantized, nn.Linear):
             amax_group=self.amax_group_name,
             amax_histories=self._histories(),
             update_amax_histories=update,
+            layer=self,
         )
 
 

@@ -94,8 +94,11 @@ def _gemm_tn_fake(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv,
 def amax_history_update(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """Delayed scaling: return the amax to scale with now (the max of the history window, or the
     current amax while the history is still all zeros, i.e. on the first step), then roll the
-    history one place and write the current amax at index 0."""
-    window = history.amax()
+    history one place and write the current amax at index 0.
+
+    `history` (L,) with a scalar `amax`; or (L, E) with an (E,) `amax`, one window per column
+    (per expert, for grouped experts), returning (E,)."""
+    window = history.amax(0)
     used = torch.where(window > 0, window, amax.to(history.dtype))
     history.copy_(torch.roll(history, 1, 0))
     history[0] = amax
@@ -104,4 +107,4 @@ def amax_history_update(history: torch.Tensor, amax: torch.Tensor) -> torch.Tens
 
 @amax_history_update.register_fake
 def _amax_history_update_fake(history, amax):
-    return history.new_empty(())
+    return history.new_empty(history.shape[1:])
