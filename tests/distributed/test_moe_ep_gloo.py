@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -42,7 +41,7 @@ from tqcompile.testing.comm import count_collective_bytes
 from tqcompile.testing.compile import CompileCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_models import TitanMoEModel, tiny_hf_moe  # noqa: E402
+from moe_models import TitanMoEModel, moe_batch, moe_loss, tiny_hf_moe  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -123,22 +122,6 @@ def _experts(rank: int, mesh) -> dict:
     return out
 
 
-def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    if kind == "titan":
-        return torch.randn(BATCH, SEQ, HIDDEN, generator=g), torch.randn(BATCH, SEQ, HIDDEN, generator=g)
-    ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _loss(model, kind: str, x, y) -> torch.Tensor:
-    """This part of the batch's summed loss over the *global* token count."""
-    if kind == "titan":
-        return F.mse_loss(model(x).float(), y, reduction="sum") / (BATCH * SEQ)
-    logits = model(input_ids=x, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / (BATCH * SEQ)
-
-
 def _grads(model) -> dict[str, torch.Tensor]:
     return {
         n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
@@ -152,7 +135,7 @@ def _train(model, kind: str, x, y, *, ep: bool, steps: int = STEPS, opt=None) ->
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses = []
     for _ in range(steps):
-        loss = _loss(model, kind, x, y)
+        loss = moe_loss(model, kind, x, y, tokens=BATCH * SEQ)
         loss.backward()
         if ep:
             for p in model.parameters():
@@ -173,7 +156,7 @@ def _mine(rank: int) -> slice:
 def _training(rank: int, mesh) -> dict:
     out = {}
     for kind, recipe in TRAIN_CASES:
-        x, y = _batch(kind)
+        x, y = moe_batch(kind, BATCH, SEQ, HIDDEN)
         single = _train(_model(kind, recipe), kind, x, y, ep=False)
         ep = _train(tq.distributed.expert_parallel(_model(kind, recipe), mesh), kind, x[_mine(rank)], y[_mine(rank)], ep=True)
         out[f"{kind}/{recipe}"] = (ep, single)
@@ -181,7 +164,7 @@ def _training(rank: int, mesh) -> dict:
 
 
 def _compile(rank: int, mesh) -> dict:
-    x, y = _batch("mixtral")
+    x, y = moe_batch("mixtral", BATCH, SEQ, HIDDEN)
     x, y = x[_mine(rank)], y[_mine(rank)]
     eager = tq.distributed.expert_parallel(_model("mixtral", "mxfp8"), mesh)
     compiled = tq.distributed.expert_parallel(_model("mixtral", "mxfp8"), mesh)
@@ -216,7 +199,7 @@ def _state(model, opt) -> dict[str, torch.Tensor]:
 def _checkpoint(rank: int, mesh, out_dir: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    x, y = _batch("gpt_oss")
+    x, y = moe_batch("gpt_oss", BATCH, SEQ, HIDDEN)
     out = {}
     # EP=2 -> one process: trained a step under EP, saved, loaded into a plain model on each rank.
     ep = tq.distributed.expert_parallel(_model("gpt_oss", "mxfp8"), mesh)
@@ -294,7 +277,7 @@ def _checks_four(rank: int, out_dir: str) -> None:
     """EP=4 <-> EP=2 (the 'ep' dim of a 2x2 mesh) <-> one process, model state through DCP."""
     ep4 = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
     ep2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))["ep"]
-    x, y = _batch("titan")
+    x, y = moe_batch("titan", BATCH, SEQ, HIDDEN)
 
     def state(model) -> dict[str, torch.Tensor]:
         return {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in model.state_dict().items()}

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -37,7 +36,7 @@ from tqcompile.testing.comm import count_collective_bytes
 from tqcompile.testing.compile import CompileCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_models import TitanMoEModel, tiny_hf_moe  # noqa: E402
+from moe_models import TitanMoEModel, moe_batch, moe_loss, tiny_hf_moe  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -81,27 +80,13 @@ def _shard(model, mesh, *, reshard: bool = True, mp=None, backend=None):
     return model
 
 
-def _batch(kind: str):
-    g = torch.Generator().manual_seed(1)
-    if kind == "titan":
-        return torch.randn(BATCH, SEQ, HIDDEN, generator=g), torch.randn(BATCH, SEQ, HIDDEN, generator=g)
-    ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _loss(model, kind: str, x, y) -> torch.Tensor:
-    if kind == "titan":
-        return F.mse_loss(model(x).float(), y)
-    return F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1).float(), y.flatten())
-
-
 def _train(model, kind: str, steps: int = STEPS, after_step=None) -> list[float]:
-    x, y = _batch(kind)
+    x, y = moe_batch(kind, BATCH, SEQ, HIDDEN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     torch.manual_seed(2)  # NVFP4's stochastic rounding draws from it
     losses = []
     for _ in range(steps):
-        loss = _loss(model, kind, x, y)
+        loss = moe_loss(model, kind, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
