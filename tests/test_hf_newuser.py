@@ -185,7 +185,8 @@ def test_token_count_error_names_the_pooler_and_the_filter_fn_fix(recipe, block)
 def test_token_count_error_of_a_vit_names_the_layer():
     """65 tokens per image: the first converted layer names itself; padding, not filter_fn, is the fix there."""
     torch.manual_seed(0)
-    model = tq.convert(tiny_vit(hidden=128), tq.recipes.fp8_blockwise(), filter_fn=lambda m, fqn: fqn != "classifier")
+    with pytest.warns(tq.nn.ConversionWarning, match=r"patch_embeddings.projection \(Conv2d\): a convolution"):
+        model = tq.convert(tiny_vit(hidden=128), tq.recipes.fp8_blockwise(), filter_fn=lambda m, fqn: fqn != "classifier")
     with pytest.raises(ValueError) as info:
         model(pixel_values=torch.randn(1, 3, 32, 32)).logits.sum().backward()
     message = str(info.value)
@@ -224,7 +225,9 @@ def test_inference_under_no_grad_takes_any_token_count(recipe):
     BERT's pooler (2 tokens), run. With grad mode on, the same forward asks for the wgrad operands."""
     torch.manual_seed(0)
     hidden = HIDDEN[recipe]
-    vit = tq.convert(tiny_vit(hidden), tq.recipes.get(recipe), filter_fn=lambda m, fqn: fqn != "classifier").eval()
+    # The patch-embedding convolution stays in high precision (reported; not what this test is about).
+    keep = lambda m, fqn: fqn != "classifier" and not fqn.endswith("patch_embeddings.projection")  # noqa: E731
+    vit = tq.convert(tiny_vit(hidden), tq.recipes.get(recipe), filter_fn=keep).eval()
     bert = tq.convert(tiny_bert(num_labels=hidden, hidden=hidden), tq.recipes.get(recipe)).eval()
     assert tq.nn.is_converted(vit.vit.layers[0].mlp.fc1) and tq.nn.is_converted(bert.bert.pooler.dense)
     images, ids = torch.randn(1, 3, 32, 32), torch.randint(1, 64, (2, 16))

@@ -1,7 +1,8 @@
 """Named PTQ/QAT configs: `tq.configs.int8()`, `int4_weight_only()`, `fp8()`, `mxfp8()`, `nvfp4()`.
 
 Each is a `QuantConfig` whose first rule enables quantizers on the GEMM layers (Linear,
-Conv1d/2d/3d, `tq.nn.GroupedLinear`) and whose later rules (`default_disabled()`) turn off what
+Conv1d/2d/3d, `tq.nn.GroupedLinear`, and each GEMM of a MoE experts module with fused 3-D weights,
+`tq.calibration.ExpertGemmQuantizers`) and whose later rules (`default_disabled()`) turn off what
 users expect left in high precision:
 
 - norms: BatchNorm1d/2d/3d, SyncBatchNorm, LayerNorm, RMSNorm, GroupNorm (by class, subclasses
@@ -28,13 +29,14 @@ from __future__ import annotations
 from torch import nn
 
 from tqcompile.calibration.config import QuantConfig, QuantRule
+from tqcompile.calibration.modules import ExpertGemmQuantizers
 from tqcompile.formats import Format
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
 __all__ = ["int8", "int4_weight_only", "fp8", "mxfp8", "nvfp4", "default_disabled", "GEMM_LAYERS"]
 
-GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear)
+GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear, ExpertGemmQuantizers)
 NORMS: tuple[type, ...] = (
     nn.BatchNorm1d,
     nn.BatchNorm2d,

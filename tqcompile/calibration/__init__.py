@@ -8,8 +8,8 @@ same quantizers, ops and kernels as training. See docs/ptq.md and docs/qat.md.
 
 from tqcompile.calibration.calibrate import ALGORITHMS, CalibrationWarning, calibrate, prepare
 from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule
-from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize
-from tqcompile.calibration.modules import FakeQuantModule
+from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize, fake_quantize_grouped
+from tqcompile.calibration.modules import ExpertGemmQuantizers, FakeQuantModule
 from tqcompile.calibration.state import QuantSummary, SummaryRow, quant_state, reattach, restore, summary
 
 __all__ = [
@@ -21,8 +21,10 @@ __all__ = [
     "QuantRule",
     "ConfigError",
     "fake_quantize",
+    "fake_quantize_grouped",
     "TensorQuantizer",
     "FakeQuantModule",
+    "ExpertGemmQuantizers",
     "quant_state",
     "restore",
     "reattach",

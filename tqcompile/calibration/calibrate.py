@@ -38,12 +38,16 @@ from tqcompile.api import quantize
 from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer
 from tqcompile.calibration.modules import (
+    PER_EXPERT_KINDS,
     FakeQuantModule,
-    base_class,
     canonical_modules,
+    class_name,
     convert_module,
+    holds_quantizers,
     kind_of,
     module_device,
+    params_owner,
+    quant_units,
     read_by_parent,
     unconvert_module,
     unsupported_reason,
@@ -103,8 +107,8 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
     """What `calibrate` would do to each module (raises ConfigError on a config that cannot apply)."""
     planned, matched, skipped = [], [False] * len(config.rules), []
     parent_reads = read_by_parent(model)
-    for name, module in canonical_modules(model):
-        if isinstance(module, FakeQuantModule):
+    for name, module in quant_units(model):
+        if isinstance(module, FakeQuantModule) and holds_quantizers(module):
             raise ValueError(
                 f"tq.calibrate: module {name!r} is already fake-quantized; calibrate a freshly built model (or use tq.restore)"
             )
@@ -114,13 +118,13 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
         found = kind_of(module)
         if found is None:
             continue
-        check_not_sharded(name, module, "tq.calibrate")
+        check_not_sharded(name, params_owner(module), "tq.calibrate")
         kind, _, allowed = found
         reason = unsupported_reason(module) or parent_reads.get(id(module))
         quantizers = config.resolve(name, module)
         if reason:
             if any(quantizers.values()):
-                skipped.append(f"  {name} ({type(module).__name__}): {reason}")
+                skipped.append(f"  {name} ({class_name(module)}): {reason}")
             continue
         for slot in SLOTS:
             q = quantizers[slot]
@@ -140,10 +144,10 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
         if wq is not None:
             w = weight_view(module, module.weight)
             try:
-                wq.check_shape(w.shape if kind != "GroupedLinear" else w.shape[1:])
+                wq.check_shape(w.shape[1:] if kind in PER_EXPERT_KINDS else w.shape)
             except ValueError as e:
                 skipped.append(
-                    f"  {name} ({type(module).__name__}): weight quantizer disabled, its {tuple(w.shape)} weight does not fit: {e}"
+                    f"  {name} ({class_name(module)}): weight quantizer disabled, its {tuple(w.shape)} weight does not fit: {e}"
                 )
                 quantizers["weight"] = None
         planned.append(_Planned(name, module, quantizers))
@@ -195,9 +199,11 @@ def calibrate(
 ) -> nn.Module:
     """Convert `model` in place to fake-quantized modules and calibrate their static amaxes.
 
-    Linear, Conv1d/2d/3d, `tq.nn.GroupedLinear`, Embedding and the norm family (BatchNorm*,
-    SyncBatchNorm, LayerNorm, RMSNorm, GroupNorm) are converted, whether or not the config enables
-    a quantizer on them, so that every one appears in `tq.summary` and `tq.quant_state`.
+    Linear, Conv1d/2d/3d, `tq.nn.GroupedLinear`, MoE experts modules with fused 3-D weights
+    (Hugging Face's and torchtitan-style: one `ExpertGemmQuantizers` unit per GEMM), Embedding and
+    the norm family (BatchNorm*, SyncBatchNorm, LayerNorm, RMSNorm, GroupNorm) are converted,
+    whether or not the config enables a quantizer on them, so that every one appears in
+    `tq.summary` and `tq.quant_state`.
 
     Args:
         model: the float model (wrapped in DDP or not; matched by canonical names).
@@ -386,7 +392,7 @@ def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups
             if t.beyond_max:
                 beyond.append(f"{p.name or '<root>'}.{slot}")
             if t.unfit is not None:
-                unfit.append(f"  {p.name} ({base_class(m).__name__}): {slot} quantizer disabled, {t.unfit}")
+                unfit.append(f"  {p.name} ({class_name(m)}): {slot} quantizer disabled, {t.unfit}")
                 t.quantizer = None
             if t.quantizer is not None and t.static_kind is not None:
                 if slot == "weight":

@@ -12,6 +12,10 @@ overrides what an earlier one set. A rule matches a module
   `nn.SyncBatchNorm.convert_sync_batchnorm` turns one into the other;
 - by both (both must hold); a rule with neither matches every module.
 
+Each grouped GEMM of a MoE experts module is its own unit (`ExpertGemmQuantizers`, named
+``<experts>.<weight>_gemm``); a rule matching the experts module itself (``"*.mlp.experts"``,
+``module_types=(MixtralExperts,)``) applies to all of its GEMMs.
+
 Each quantizer slot of a rule is `None` (leave as earlier rules set it), `False` (disable) or a
 `tq.Quantizer` (enable with it). Configs are frozen values: comparable, hashable, and serialisable
 with `to_dict()` / `QuantConfig.from_dict()` (plain Python types, so a saved quant state loads
@@ -108,7 +112,17 @@ class QuantRule:
         return cls(name, module_types, False, False, False, must_match)
 
     def matches(self, canonical_name: str, module: nn.Module) -> bool:
-        """True when this rule applies to `module`, named `canonical_name` (wrapper prefixes removed)."""
+        """True when this rule applies to `module`, named `canonical_name` (wrapper prefixes removed).
+
+        A GEMM of a MoE experts module (`ExpertGemmQuantizers`, named ``<experts>.<weight>_gemm``)
+        is also matched by a rule that matches its experts module (by name or class): that module
+        holds its weight, and a rule naming it must not match without effect."""
+        if self._matches_one(canonical_name, module):
+            return True
+        owner = getattr(module, "tq_rule_owner", None)
+        return owner is not None and self._matches_one(canonical_name.rpartition(".")[0], owner)
+
+    def _matches_one(self, canonical_name: str, module: nn.Module) -> bool:
         if self.name is not None and not fnmatch.fnmatchcase(canonical_name, self.name):
             return False
         if self.module_types and not any(isinstance(module, _family(t)) for t in self.module_types):

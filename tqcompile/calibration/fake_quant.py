@@ -3,12 +3,16 @@ estimator, and `TensorQuantizer`, the module that holds one quantizer's calibrat
 
 There is no second implementation of the numerics here: the forward *is* `tq.quantize` followed
 by `QuantizedTensor.dequantize`, the same ops and kernels training uses, with the calibrated amax
-passed in (`tq.quantize(..., amax=...)`).
+passed in (`tq.quantize(..., amax=...)`). Experts' tokens, sorted by expert, and stacked expert
+weights are fake-quantized per expert the way training quantizes them: `grouped_quantize` then
+`grouped_dequantize` (`tqcompile.ops.grouped_gemm`), each expert with its own amax, gathered per
+token by expert id, so the shapes never depend on the routing (no `.tolist()`: it compiles).
 
 Which amaxes are static (calibrated, kept in the `amax` buffer):
 
 - quantizers with a tensor-level amax (TENSORWISE FP8/INT, and NVFP4's global amax): one per
-  tensor (per expert for `GroupedLinear`: ``[num_experts, 1, 1]`` weights, ``[num_experts]`` inputs);
+  tensor (per expert for `GroupedLinear` and fused experts: ``[num_experts, 1, 1]`` weights,
+  ``[num_experts]`` inputs);
 - weights quantized per channel or per block (ROWWISE / BLOCKWISE FP8 and INT): one per scaling
   unit, shape ``quantizer.scale_shape(weight)``;
 - nothing else: MX block scales come from each 32-block, and activations quantized per row or per
@@ -29,9 +33,10 @@ import torch
 from torch import nn
 
 from tqcompile.api import quantize
+from tqcompile.ops import grouped_gemm as gops
 from tqcompile.quantizers import Granularity, MXQuantizer, Quantizer
 
-__all__ = ["fake_quantize", "TensorQuantizer", "static_amax_kind"]
+__all__ = ["fake_quantize", "fake_quantize_grouped", "TensorQuantizer", "static_amax_kind"]
 
 
 def static_amax_kind(q: Quantizer | None, role: str) -> str | None:
@@ -66,10 +71,15 @@ class _FakeQuantize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.clip:
-            (inside,) = ctx.saved_tensors
-            dy = torch.where(inside, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
-        return dy, None, None, None
+        return _ste_grad(ctx, dy), None, None, None
+
+
+def _ste_grad(ctx, dy: torch.Tensor) -> torch.Tensor:
+    """The straight-through gradient: `dy`, zero where the clipped STE saved that |x| > amax."""
+    if not ctx.clip:
+        return dy
+    (inside,) = ctx.saved_tensors
+    return torch.where(inside, dy, torch.zeros((), dtype=dy.dtype, device=dy.device))
 
 
 def fake_quantize(
@@ -89,6 +99,44 @@ def fake_quantize(
     if ste not in ("clipped", "plain"):
         raise ValueError(f"fake_quantize: ste={ste!r} is not allowed; allowed: 'clipped', 'plain'")
     return _FakeQuantize.apply(x, amax, quantizer, ste == "clipped")
+
+
+class _FakeQuantizeGrouped(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, amax: torch.Tensor | None, quantizer: Quantizer, clipped: bool):
+        clip = clipped and amax is not None and not quantizer.hadamard_transformed()
+        if amax is None and quantizer.uses_tensor_amax():
+            amax = gops.grouped_amax(x, quantizer, ends, False)  # dynamic: each expert's own tokens
+        seed = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=x.device) if quantizer.needs_seed() else None
+        data, scale_inv = gops.grouped_quantize(x, quantizer, ends, amax, seed, False)
+        y = gops.grouped_dequantize(data, scale_inv, amax, quantizer, ends, x.dtype)
+        ctx.clip = clip
+        if clip:
+            # Each token against its expert's static amax (gathered by expert id: static shapes).
+            ctx.save_for_backward(x.abs() <= amax[gops.expert_ids(ends, x.shape[0])].unsqueeze(-1))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return _ste_grad(ctx, dy), None, None, None, None
+
+
+def fake_quantize_grouped(
+    x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, amax: torch.Tensor | None = None, *, ste: str = "clipped"
+) -> torch.Tensor:
+    """Fake-quantize the (T, C) rows `x` grouped by expert (segment `ends`, the cumulative
+    per-expert counts), each expert's rows as ``fake_quantize(x_e, quantizer, amax[e])`` would,
+    with one graph for every routing (MoE tokens sorted by expert; stacked expert weights as
+    (E*N, K) with ``ends = N, 2N, ...``).
+
+    Args:
+        amax: (E,) static per-expert amaxes for a quantizer with a tensor-level amax, or None
+            (per-expert amaxes computed from `x`; other quantizers' scales come from each row or block).
+        ste: "clipped" (zero gradient where ``|x|`` exceeds its expert's static amax) or "plain".
+    """
+    if ste not in ("clipped", "plain"):
+        raise ValueError(f"fake_quantize_grouped: ste={ste!r} is not allowed; allowed: 'clipped', 'plain'")
+    return _FakeQuantizeGrouped.apply(x, ends, amax, quantizer, ste == "clipped")
 
 
 class TensorQuantizer(nn.Module):
@@ -145,11 +193,13 @@ class TensorQuantizer(nn.Module):
         return f"{self.role}: {self.quantizer!r}{amax}" if self.enabled else f"{self.role}: disabled"
 
     # --- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, *, channel_dim: int | None = None, expert: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, channel_dim: int | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
         """Fake-quantize `x` (or, while calibrating, record its statistics and return it unchanged).
 
         `channel_dim`: a conv/norm activation's channel dim, moved last while quantizing so that
-        blocks and rows run along channels. `expert`: the expert whose amax applies (GroupedLinear).
+        blocks and rows run along channels. `ends`: for an experts input, the (T, in) tokens are
+        sorted by expert and `ends` holds the cumulative per-expert token counts; each expert's
+        tokens get that expert's amax.
         """
         q = self.quantizer
         if q is None:
@@ -158,26 +208,26 @@ class TensorQuantizer(nn.Module):
         if moved:
             x = x.movedim(channel_dim, -1)
         if self.calibrating:
-            self._record(x, expert)
+            self._record(x, ends)
             y = x
         else:
-            y = self._fake_quant(x, expert)
+            y = self._fake_quant(x, ends)
         return y.movedim(-1, channel_dim) if moved else y
 
-    def _fake_quant(self, x: torch.Tensor, expert: int | None) -> torch.Tensor:
-        amax = self.amax
-        if amax is None or self.num_experts is None:
-            return fake_quantize(x, self.quantizer, amax, ste=self.ste)
-        if expert is not None:  # an expert's input
-            return fake_quantize(x, self.quantizer, amax[expert].reshape(()), ste=self.ste)
-        if amax.dim() == 3 and amax.shape[1:] == (1, 1):  # stacked weights, one amax per expert
-            return torch.stack(
-                [fake_quantize(x[e], self.quantizer, amax[e].reshape(()), ste=self.ste) for e in range(x.shape[0])]
-            )
-        return fake_quantize(x, self.quantizer, amax, ste=self.ste)
+    def _fake_quant(self, x: torch.Tensor, ends: torch.Tensor | None) -> torch.Tensor:
+        amax, q = self.amax, self.quantizer
+        if ends is not None:  # experts' tokens, sorted by expert
+            return fake_quantize_grouped(x, q, ends, amax, ste=self.ste)
+        if self.num_experts is not None and self.static_kind == "tensor":
+            # Stacked (E, N, K) expert weights, one tensor-level amax per expert: E segments of N rows.
+            e, n, k = x.shape
+            w_ends = torch.arange(1, e + 1, device=x.device, dtype=torch.int64) * n
+            per_expert = None if amax is None else amax.reshape(e)
+            return fake_quantize_grouped(x.reshape(e * n, k), q, w_ends, per_expert, ste=self.ste).view(e, n, k)
+        return fake_quantize(x, q, amax, ste=self.ste)
 
     # --- calibration ---------------------------------------------------------------------------
-    def _record(self, x: torch.Tensor, expert: int | None) -> None:
+    def _record(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
         if self.role == "weight":
             return  # weights are calibrated from the weights
         if self.unfit is None:
@@ -199,14 +249,15 @@ class TensorQuantizer(nn.Module):
             if self.collect == "hist":
                 self._record_hist(x)
                 return
-            from tqcompile import ops
-
-            a = ops.amax(x, self.quantizer)
             # `calibrate` allocated stat_max (-1: not seen yet); one entry per expert for experts' inputs.
-            if self.num_experts is not None:
-                self.stat_max[expert] = torch.maximum(self.stat_max[expert], a)
+            if ends is not None:
+                a = gops.grouped_amax(x, self.quantizer, ends, False)
+                seen = torch.diff(ends, prepend=ends.new_zeros(1)) > 0  # an expert without tokens stays unseen
+                self.stat_max = torch.maximum(self.stat_max, torch.where(seen, a, -1.0))
             else:
-                self.stat_max = torch.maximum(self.stat_max, a)
+                from tqcompile import ops
+
+                self.stat_max = torch.maximum(self.stat_max, ops.amax(x, self.quantizer))
 
     def _record_hist(self, x: torch.Tensor) -> None:
         top = float(self.hist_max)

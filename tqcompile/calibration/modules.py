@@ -6,6 +6,17 @@ subclasses match), and three `TensorQuantizer` children: ``input_quantizer``,
 ``weight_quantizer``, ``output_quantizer``. Parameters, buffers, hooks and attributes stay as they
 were; `unconvert` undoes exactly that.
 
+MoE experts modules holding fused 3-D weights (Hugging Face's ``gate_up_proj``/``down_proj``,
+torchtitan's ``w1``/``w2``/``w3``; recognised by structure, `tqcompile.nn.experts.experts_layout`)
+run two or three grouped GEMMs, each with its own input and weight. Each GEMM is one quantizable
+unit: an `ExpertGemmQuantizers` child named ``<weight>_gemm`` (``experts.gate_up_proj_gemm``),
+which holds the three quantizers and no parameter, so configs, `tq.summary` and `tq.quant_state`
+treat it by canonical name as they treat a Linear, and the model's `state_dict` keeps its keys.
+The experts module itself gets a class whose forward is `tqcompile.nn.experts`' routing (the one
+`tq.convert` uses: tokens sorted by expert, counts as a tensor) with every GEMM fake-quantized per
+expert (`_fake_quant_grouped_linear`); calibrating runs the same routing, so every expert's
+tokens reach its quantizers, whatever `experts_implementation` the model was built with.
+
 Module names are *canonical*: the fully qualified name with the components that wrappers add
 removed (DDP's and DataParallel's ``module``, `torch.compile`'s ``_orig_mod``). Wrappers are
 recognised by type, so a submodule a user named ``module`` keeps its name.
@@ -21,11 +32,20 @@ from torch import nn
 
 from tqcompile.calibration.config import SLOTS
 from tqcompile.calibration.fake_quant import TensorQuantizer
+from tqcompile.nn.base import is_converted
+from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, experts_layout
 from tqcompile.nn.grouped import GroupedLinear
+from tqcompile.ops.grouped_gemm import expert_ids, grouped_mm
 
 __all__ = [
     "FakeQuantModule",
+    "ExpertGemmQuantizers",
+    "PER_EXPERT_KINDS",
     "canonical_modules",
+    "quant_units",
+    "params_owner",
+    "class_name",
+    "holds_quantizers",
     "kind_of",
     "convert_module",
     "unconvert_module",
@@ -33,6 +53,10 @@ __all__ = [
     "base_class",
     "swap_class",
 ]
+
+
+# Kinds whose input and weight quantizers keep one amax per expert.
+PER_EXPERT_KINDS = ("GroupedLinear", "Experts")
 
 
 class FakeQuantModule:
@@ -46,11 +70,24 @@ class FakeQuantModule:
     def quantizers(self) -> dict[str, TensorQuantizer]:
         return {s: getattr(self, f"{s}_quantizer") for s in SLOTS}
 
-    def __reduce_ex__(self, protocol):
-        # The fake-quant class is made at run time, so pickle cannot find it by name (torch.save of
-        # a whole model, multiprocessing): rebuild it from the module's own class instead.
-        rv = super().__reduce_ex__(protocol)
-        return (_new_fake_quant, (base_class(self),), *rv[2:])
+
+def _reduce_generated(self, protocol: int):
+    # A fake-quant class is made at run time, so pickle cannot find it by name (torch.save of a
+    # whole model, multiprocessing, deepcopy): rebuild it from the module's own class and the mixin.
+    rv = object.__reduce_ex__(self, max(protocol, 2))
+    cls = type(self)
+    return (_new_fake_quant, (cls.tq_base, cls.tq_mixin), *rv[2:])
+
+
+def _fake_quant_grouped_linear(slots: FakeQuantModule, x, ends, weight, bias) -> torch.Tensor:
+    """One fake-quantized grouped GEMM: per expert e, ``fq(x_e) @ fq(weight[e]).T + bias[e]`` for
+    the (T, in) tokens `x` sorted by expert (segment `ends`), each expert's input and weight with
+    that expert's amax; the GEMM in high precision, differentiable (QAT). Static shapes: one graph
+    for every routing."""
+    y = grouped_mm(slots.input_quantizer(x, ends=ends), slots.weight_quantizer(weight), ends)
+    if bias is not None:
+        y = y + bias.to(y.dtype)[expert_ids(ends, x.shape[0])]
+    return slots.output_quantizer(y)
 
 
 class _LinearFQ(FakeQuantModule):
@@ -73,24 +110,77 @@ class _GroupedLinearFQ(FakeQuantModule):
                 raise ValueError(
                     f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, got {tuple(x.shape)}"
                 )
-            chunks = x.unbind(0)
-        else:
-            # A tensor of counts becomes Python ints here: each expert's tokens get that expert's
-            # static input amax. (Under torch.compile that is a data-dependent split; compiled QAT
-            # of MoE layers should pass the dense (experts, tokens, in) form.)
-            splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
-            if x.dim() != 2 or len(splits) != self.num_experts or sum(splits) != x.shape[0]:
-                raise ValueError(
-                    f"GroupedLinear: m_splits={splits} must have {self.num_experts} entries summing to the tokens of x, "
-                    f"of shape (tokens, {self.in_features}); got x of shape {tuple(x.shape)}"
-                )
-            chunks = x.split(splits, 0)
-        w = self.weight_quantizer(self.weight)
-        outs = [
-            self.output_quantizer(F.linear(self.input_quantizer(c, expert=e), w[e], None if self.bias is None else self.bias[e]))
-            for e, c in enumerate(chunks)
-        ]
-        return torch.stack(outs) if m_splits is None else torch.cat(outs)
+            e, c, _ = x.shape  # a fixed capacity: E segments of c tokens
+            ends = torch.arange(1, e + 1, device=x.device, dtype=torch.int64) * c
+            return _fake_quant_grouped_linear(self, x.reshape(e * c, -1), ends, self.weight, self.bias).view(e, c, -1)
+        # The counts stay a tensor (no .tolist()): a compiled QAT model serves every routing with one graph.
+        counts = m_splits if isinstance(m_splits, torch.Tensor) else torch.tensor(list(m_splits), device=x.device)
+        if x.dim() != 2 or counts.shape != (self.num_experts,):
+            raise ValueError(
+                f"GroupedLinear: m_splits of shape {tuple(counts.shape)} and x of shape {tuple(x.shape)}; expected "
+                f"({self.num_experts},) per-expert token counts and x of shape (tokens, {self.in_features})"
+            )
+        return _fake_quant_grouped_linear(self, x, torch.cumsum(counts.to(torch.int64), 0), self.weight, self.bias)
+
+
+def _unit_attr(gemm: ExpertGemm) -> str:
+    """The experts module's attribute holding the `ExpertGemmQuantizers` of `gemm`."""
+    return f"{gemm.weight}_gemm"
+
+
+class ExpertGemmQuantizers(FakeQuantModule, nn.Module):
+    """The quantizers of one grouped GEMM of a fake-quantized experts module (see the module
+    docstring): a child of the experts module named ``<weight>_gemm``, holding `input_quantizer`,
+    `weight_quantizer` and `output_quantizer` and no parameter. Match it in a config by name
+    (``"*.experts.down_proj_gemm"``) or by class (``module_types=(ExpertGemmQuantizers,)``, as
+    the presets do); a rule matching the experts module (``"*.mlp.experts"``,
+    ``module_types=(MixtralExperts,)``) matches all of its GEMMs.
+
+    `weight` is the experts module's weight in the GEMM's (experts, out, in) view (a transposed
+    view for GPT-OSS's (experts, in, out) storage): scaling units follow the GEMM, amaxes are per
+    expert along dim 0.
+    """
+
+    tq_kind = "Experts"
+
+    def __init__(self, owner: nn.Module, gemm: ExpertGemm):
+        super().__init__()
+        # In a tuple: a module attribute would be registered as a child of its own child (a cycle).
+        self._owner = (owner,)
+        self.gemm = gemm
+        self.num_experts = owner._parameters[gemm.weight].shape[0]
+
+    @property
+    def owner(self) -> nn.Module:
+        """The experts module whose GEMM this is."""
+        return self._owner[0]
+
+    @property
+    def tq_rule_owner(self) -> nn.Module:
+        """Config rules that match the experts module match this unit too (`QuantRule.matches`)."""
+        return self.owner
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return expert_weight(self.owner, self.gemm)[0]
+
+    @property
+    def attr_name(self) -> str:
+        return _unit_attr(self.gemm)
+
+    def extra_repr(self) -> str:
+        e, n, k = self.weight.shape
+        return f"{self.gemm.weight}: {e} experts, {k} -> {n}"
+
+
+class _ExpertsFQ(ExpertsRouting):
+    """Fake-quantized experts: the routing of `tqcompile.nn.experts`, each GEMM fake-quantized
+    with the quantizers of its `ExpertGemmQuantizers` child."""
+
+    def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        g = self.tq_experts_layout.gemms[index]
+        w, bias = expert_weight(self, g)
+        return _fake_quant_grouped_linear(self._modules[_unit_attr(g)], x, torch.cumsum(counts.to(torch.int64), 0), w, bias)
 
 
 class _ChannelNormFQ(FakeQuantModule):
@@ -166,12 +256,41 @@ def canonical_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def base_class(module: nn.Module) -> type:
     """The module's own class (the one it had before it was fake-quantized)."""
-    cls = type(module)
-    return next(c for c in cls.__mro__[1:] if not issubclass(c, FakeQuantModule)) if isinstance(module, FakeQuantModule) else cls
+    return type(module).__dict__.get("tq_base", type(module))
 
 
-def kind_of(module: nn.Module) -> tuple[str, type, tuple[str, ...]] | None:
+def holds_quantizers(module: nn.Module) -> bool:
+    """Whether `module` is already fake-quantized (holds quantizer slots), as opposed to a float
+    module or a fresh experts GEMM unit of `quant_units`."""
+    return any(isinstance(module._modules.get(f"{s}_quantizer"), TensorQuantizer) for s in SLOTS)
+
+
+def class_name(module: nn.Module) -> str:
+    """The class a user knows a quantizable unit by: its own, or its experts module's."""
+    return base_class(params_owner(module)).__name__
+
+
+def params_owner(module: nn.Module) -> nn.Module:
+    """The module that holds the unit's parameters (an experts GEMM's: the experts module)."""
+    return module.owner if isinstance(module, ExpertGemmQuantizers) else module
+
+
+def quant_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`canonical_modules`, plus, after every float experts module, one new (not yet attached)
+    `ExpertGemmQuantizers` per GEMM, named ``<experts>.<weight>_gemm``: what `tq.calibrate` and
+    `tq.restore` match rules against and convert. Nothing of the model changes."""
+    for name, module in canonical_modules(model):
+        yield name, module
+        layout = None if isinstance(module, _ExpertsFQ) else experts_layout(module)
+        for g in () if layout is None else layout.gemms:
+            unit = ExpertGemmQuantizers(module, g)
+            yield (f"{name}.{unit.attr_name}" if name else unit.attr_name), unit
+
+
+def kind_of(module: nn.Module) -> tuple[str, type | None, tuple[str, ...]] | None:
     """(kind, mixin, allowed slots) for a module tqcompile can fake-quantize, else None."""
+    if isinstance(module, ExpertGemmQuantizers):
+        return "Experts", None, SLOTS  # born fake-quantized: no class to swap
     base = base_class(module)
     for cls, kind, mixin, slots in _KINDS:
         if issubclass(base, cls):
@@ -181,6 +300,11 @@ def kind_of(module: nn.Module) -> tuple[str, type, tuple[str, ...]] | None:
 
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why a module of a supported family cannot be converted (a subclass that overrides forward)."""
+    if isinstance(module, ExpertGemmQuantizers):
+        if is_converted(module.owner):
+            return "its experts module was converted by tq.convert (it quantizes with its training recipe); calibrate the float model"
+        if getattr(module.owner, "_is_expert_parallel", False):
+            return "transformers' own expert parallelism is enabled on its experts module (its sentinel routing is not supported)"
     for cls, owner in _FORWARD_OWNER.items():
         if isinstance(module, cls):
             if type(module).forward is not owner.forward:
@@ -218,38 +342,54 @@ def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight.flatten(1) if isinstance(module, nn.modules.conv._ConvNd) else weight
 
 
-def _fake_quant_class(base: type) -> type:
-    """The fake-quant class for modules of class `base` (one per class, made on first use)."""
-    kind, mixin = next((kind, mixin) for cls, kind, mixin, _ in _KINDS if issubclass(base, cls))
+def _fake_quant_class(base: type, mixin: type) -> type:
+    """The fake-quant class for modules of class `base` with `mixin` (one per pair, made on first use)."""
     key = (mixin, base)
     if key not in _CLASS_CACHE:
-        _CLASS_CACHE[key] = type(f"FakeQuant{base.__name__}", (mixin, base), {"__module__": base.__module__, "tq_kind": kind})
+        kind = next((k for cls, k, m, _ in _KINDS if m is mixin and issubclass(base, cls)), None)
+        attrs = {"__module__": base.__module__, "tq_kind": kind, "tq_base": base, "tq_mixin": mixin, "__reduce_ex__": _reduce_generated}
+        _CLASS_CACHE[key] = type(f"FakeQuant{base.__name__}", (mixin, base), attrs)
     return _CLASS_CACHE[key]
 
 
-def _new_fake_quant(base: type) -> nn.Module:
+def _new_fake_quant(base: type, mixin: type) -> nn.Module:
     """Unpickling: an empty instance of `base`'s fake-quant class (its state is set after)."""
-    cls = _fake_quant_class(base)
+    cls = _fake_quant_class(base, mixin)
     return cls.__new__(cls)
 
 
 def swap_class(module: nn.Module) -> None:
     """Give `module` the fake-quant class of its kind (its quantizer children must exist)."""
-    module.__class__ = _fake_quant_class(base_class(module))
+    module.__class__ = _fake_quant_class(base_class(module), kind_of(module)[1])
 
 
 def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> None:
-    """Make `module` fake-quantized in place with the given {slot: Quantizer | None}."""
-    experts = module.num_experts if kind_of(module)[0] == "GroupedLinear" else None
+    """Make `module` fake-quantized in place with the given {slot: Quantizer | None}; an
+    `ExpertGemmQuantizers` is attached to its experts module, which gets the fake-quant experts class."""
+    experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS else None
     for slot in SLOTS:
         module.add_module(
             f"{slot}_quantizer", TensorQuantizer(quantizers[slot], slot, name, experts if slot != "output" else None, ste)
         )
-    swap_class(module)
+    if not isinstance(module, ExpertGemmQuantizers):
+        swap_class(module)
+        return
+    owner = module.owner
+    if not isinstance(owner, _ExpertsFQ):
+        owner.tq_experts_layout = experts_layout(owner)
+        owner.__class__ = _fake_quant_class(base_class(owner), _ExpertsFQ)
+    owner.add_module(module.attr_name, module)
 
 
 def unconvert_module(module: nn.Module) -> None:
     """Undo `convert_module` (used to leave a model as it was when calibration fails)."""
+    if isinstance(module, ExpertGemmQuantizers):
+        owner = module.owner
+        owner._modules.pop(module.attr_name, None)
+        if isinstance(owner, _ExpertsFQ) and not any(isinstance(c, ExpertGemmQuantizers) for c in owner.children()):
+            owner.__class__ = base_class(owner)
+            del owner.tq_experts_layout
+        return
     if not isinstance(module, FakeQuantModule):
         return
     module.__class__ = base_class(module)

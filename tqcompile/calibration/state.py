@@ -27,12 +27,16 @@ from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarnin
 from tqcompile.calibration.config import SLOTS, ModuleTypeImportError, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.modules import (
+    PER_EXPERT_KINDS,
     FakeQuantModule,
-    base_class,
     canonical_modules,
+    class_name,
     convert_module,
+    holds_quantizers,
     kind_of,
     module_device,
+    params_owner,
+    quant_units,
     read_by_parent,
     swap_class,
     unsupported_reason,
@@ -101,7 +105,7 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
 
     Args:
         expert_mesh: for expert parallelism, a 1-D DeviceMesh over the expert-parallel group, when
-            each rank's `GroupedLinear` holds its own equal share of the experts (rank r the r-th
+            each rank's `GroupedLinear` (or experts module) holds its own equal share of the experts (rank r the r-th
             block). Per-expert amaxes are then DTensors sharded on the expert dim
             (`DTensor.from_local`, which runs no collective), so `torch.distributed.checkpoint`
             saves them once and reshards them on load, to any expert-parallel size.
@@ -163,11 +167,11 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         ste, config = config.ste, state["config"]
     current: dict[str, nn.Module] = {}
     parent_reads = read_by_parent(model)
-    for name, module in canonical_modules(model):
-        if isinstance(module, FakeQuantModule) or _slots_of(module) is not None:
+    for name, module in quant_units(model):
+        if holds_quantizers(module):
             raise ValueError(f"tq.restore: module {name!r} is already fake-quantized; restore into a freshly built float model")
         if kind_of(module) is not None and unsupported_reason(module) is None and id(module) not in parent_reads:
-            check_not_sharded(name, module, "tq.restore")
+            check_not_sharded(name, params_owner(module), "tq.restore")
             current[name] = module
     saved: dict[str, Any] = state["modules"]
     missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))
@@ -230,7 +234,7 @@ def _check_amax(name: str, module: nn.Module, slot: str, q: Quantizer | None, am
         return
     if amax is None:
         raise ValueError(f"tq.restore: the state lacks the amax of the {slot} quantizer of {name!r} ({q!r})")
-    experts = getattr(module, "num_experts", None) if kind_of(module)[0] == "GroupedLinear" else None
+    experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS else None
     if experts is not None and slot != "output" and amax.dim() > 0 and amax.shape[0] != experts:
         raise ValueError(
             f"tq.restore: the {slot} amax of {name!r} holds {amax.shape[0]} experts; the model's module has {experts} "
@@ -314,7 +318,7 @@ def summary(model: nn.Module) -> QuantSummary:
     rows = []
     for name, module, qs in quantized_modules(model):
         _warn_detached(name, module, qs, "tq.summary")
-        rows.append(SummaryRow(name, base_class(module).__name__, kind_of(module)[0], *(_describe(qs[s]) for s in SLOTS)))
+        rows.append(SummaryRow(name, class_name(module), kind_of(module)[0], *(_describe(qs[s]) for s in SLOTS)))
     if not rows:
         raise ValueError("tq.summary: the model has no fake-quantized module; run tq.calibrate or tq.restore first")
     return QuantSummary(tuple(rows))

@@ -33,7 +33,16 @@ from tqcompile.nn.grouped import grouped_linear, grouped_unsupported_reason
 from tqcompile.nn.histories import HISTORY_PREFIX, _AmaxHistoryOwner
 from tqcompile.recipes import Recipe
 
-__all__ = ["ExpertGemm", "ExpertsLayout", "experts_layout", "QuantizedExperts", "experts_unsupported_reason", "sort_by_expert"]
+__all__ = [
+    "ExpertGemm",
+    "ExpertsLayout",
+    "experts_layout",
+    "ExpertsRouting",
+    "QuantizedExperts",
+    "experts_unsupported_reason",
+    "expert_weight",
+    "sort_by_expert",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +72,7 @@ def _param3d(module: nn.Module, name: str) -> bool:
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The `ExpertsLayout` of a Hugging Face or torchtitan experts module, or None if `module` is not one."""
-    if isinstance(module, QuantizedExperts):
+    if isinstance(module, ExpertsRouting):
         return module.tq_experts_layout
     if all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias", "_apply_gate")):
         first = "gate_up_proj" if module.has_gate else "up_proj"
@@ -118,59 +127,41 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     return perm, counts
 
 
-class QuantizedExperts(_AmaxHistoryOwner, QuantizedModule):
-    """Mixin `tq.convert` puts *before* an experts module's own class (see the module docstring):
-    its `forward` runs the module's routing with every expert GEMM quantized per expert.
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of an expert-parallel DTensor (an autograd
+    view: the gradient flows back to the DTensor), else the parameter itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def expert_weight(module: nn.Module, gemm: ExpertGemm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of one expert GEMM: the (E, out, in) weight (a view of a transposed
+    parameter) and the (E, out) bias or None; under expert parallelism this rank's experts only."""
+    w = _local(module._parameters[gemm.weight])
+    return (w.transpose(1, 2) if gemm.transposed else w), (None if gemm.bias is None else _local(module._parameters[gemm.bias]))
+
+
+class ExpertsRouting:
+    """Mixin placed *before* an experts module's own class: its `forward` runs the module's
+    routing (one implementation per layout, below) and every expert GEMM through
+    `_expert_gemm(index, x_sorted, counts)`, which subclasses define: `QuantizedExperts`
+    (`tq.convert`, quantized per expert) and the fake-quantized experts of `tq.calibrate`.
 
     The forward is routing -> `compute_local` (the experts' MLP on tokens sorted by expert) ->
     combining. Under expert parallelism (`tq.distributed.expert_parallel`), `tq_dispatch` sends
     each token to the rank holding its expert before `compute_local` and brings the result back
     after it; the 3-D weights are then DTensors sharded on dim 0, and `compute_local` uses this
-    rank's experts.
-
-    Delayed scaling (`fp8_delayed`): each GEMM keeps fp32 histories of shape
-    (amax_history_len, E), one window per expert, as persistent buffers
-    ``amax_history_<weight>_{input,weight,grad}`` (a checkpoint without them loads, with zeros:
-    `tqcompile.nn.histories`). Other recipes add no buffer: the `state_dict` is the float model's.
-
-    A subclass (the fake-quantized experts of `tq.calibrate`) changes `_expert_gemm` only.
-    """
+    rank's experts (`expert_weight`)."""
 
     tq_experts_layout: ExpertsLayout
-    amax_group_name: str | None
     # Set by tq.distributed.expert_parallel: an object with `dispatch(x, counts) -> (x, counts, state)`
     # (tokens sorted by global expert -> this rank's experts' tokens, sorted by local expert) and
     # `combine(y, state)` (the way back). None: every expert is local.
     tq_dispatch = None
-    _tq_mixin_first = True  # tq.convert's generated class puts this class before the model's own
-
-    def _init_quantized(self, recipe: Recipe, layout: ExpertsLayout) -> None:
-        self.recipe = recipe
-        self.amax_group_name = None
-        self.tq_experts_layout = layout
-        for g in layout.gemms:
-            w = self._parameters[g.weight]
-            for operand in _OPERANDS:
-                self._register_amax_history(f"{HISTORY_PREFIX}{g.weight}_{operand}", recipe.amax_history_len, w.device, w.shape[0])
-
-    def _local_param(self, name: str) -> torch.Tensor:
-        """This rank's part of a parameter: the local shard of an expert-parallel DTensor (its
-        autograd view: the gradient flows back to the DTensor), else the parameter itself."""
-        p = self._parameters[name]
-        return p.to_local() if isinstance(p, DTensor) else p
+    _tq_mixin_first = True  # the generated class puts this class before the model's own
 
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """GEMM `index` of the layout on tokens `x` sorted by (local) expert, `counts` per expert."""
-        g = self.tq_experts_layout.gemms[index]
-        w = self._local_param(g.weight)
-        w = w.transpose(1, 2) if g.transposed else w
-        bias = None if g.bias is None else self._local_param(g.bias)
-        if not self.recipe.amax_history_len:
-            return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
-        histories = tuple(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"] for operand in _OPERANDS)
-        return grouped_linear(
-            x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=self.training
-        )
+        """GEMM `index` of the layout on tokens `x` sorted by (local) expert, `counts` (int64) per expert."""
+        raise NotImplementedError
 
     def compute_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' MLP on tokens `x` sorted by this rank's experts, `counts` (int64) per expert:
@@ -195,6 +186,38 @@ class QuantizedExperts(_AmaxHistoryOwner, QuantizedModule):
         if self.tq_experts_layout.style == "hf":
             return _hf_forward(self, *args, **kwargs)
         return _torchtitan_forward(self, *args, **kwargs)
+
+
+class QuantizedExperts(ExpertsRouting, _AmaxHistoryOwner, QuantizedModule):
+    """Mixin `tq.convert` puts *before* an experts module's own class (see the module docstring):
+    its `forward` runs the module's routing with every expert GEMM quantized per expert.
+
+    Delayed scaling (`fp8_delayed`): each GEMM keeps fp32 histories of shape
+    (amax_history_len, E), one window per expert, as persistent buffers
+    ``amax_history_<weight>_{input,weight,grad}`` (a checkpoint without them loads, with zeros:
+    `tqcompile.nn.histories`). Other recipes add no buffer: the `state_dict` is the float model's.
+    """
+
+    amax_group_name: str | None
+
+    def _init_quantized(self, recipe: Recipe, layout: ExpertsLayout) -> None:
+        self.recipe = recipe
+        self.amax_group_name = None
+        self.tq_experts_layout = layout
+        for g in layout.gemms:
+            w = self._parameters[g.weight]
+            for operand in _OPERANDS:
+                self._register_amax_history(f"{HISTORY_PREFIX}{g.weight}_{operand}", recipe.amax_history_len, w.device, w.shape[0])
+
+    def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        g = self.tq_experts_layout.gemms[index]
+        w, bias = expert_weight(self, g)
+        if not self.recipe.amax_history_len:
+            return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
+        histories = tuple(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"] for operand in _OPERANDS)
+        return grouped_linear(
+            x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=self.training
+        )
 
 
 def _hf_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -135,11 +135,6 @@ def _weight_operand(weight: torch.Tensor, q: Quantizer, *, dgrad: bool, history=
     return _Grouped(*quantize_expert_weight(weight, q, dgrad=dgrad, history=history, amax=amax), q)
 
 
-def _expert_of_token(ends: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    pos = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
-    return torch.searchsorted(ends, pos, right=True).clamp_(max=ends.numel() - 1)
-
-
 @dataclasses.dataclass(frozen=True)
 class _GroupedCtx:
     recipe: Recipe
@@ -161,7 +156,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         qw = _weight_operand(weight, r.fprop_weight, dgrad=False, history=next_w)
         y = gops.grouped_gemm_tn(*qx.args(), *qw.args(), ends, False, x.dtype)
         if bias is not None:
-            y = y + bias.to(y.dtype)[_expert_of_token(ends, x.shape[0])]
+            y = y + bias.to(y.dtype)[gops.expert_ids(ends, x.shape[0])]
 
         saved = []
         if backward and ctx.needs_input_grad[1] and r.wgrad_input is not None:
@@ -207,7 +202,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                     *qdyt.args(), saved_x, saved_scale_inv, saved_amax, a.wgrad_quantizer, ends, True, weight.dtype
                 )
         if a.has_bias and ctx.needs_input_grad[2]:
-            ids = _expert_of_token(ends, dy.shape[0])
+            ids = gops.expert_ids(ends, dy.shape[0])
             db = dy.new_zeros(num_experts, n, dtype=torch.float32).index_add_(0, ids, dy.float()).to(dy.dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None
 

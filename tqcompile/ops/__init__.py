@@ -4,7 +4,14 @@ the numerics."""
 
 from tqcompile.ops.errors import raise_error, shape_str, static_shape
 from tqcompile.ops.gemm import amax_history_update, gemm_tn
-from tqcompile.ops.grouped_gemm import grouped_amax, grouped_gemm_tn, grouped_mm_wgrad, grouped_quantize
+from tqcompile.ops.grouped_gemm import (
+    grouped_amax,
+    grouped_dequantize,
+    grouped_gemm_tn,
+    grouped_mm,
+    grouped_mm_wgrad,
+    grouped_quantize,
+)
 from tqcompile.ops.quantize import amax, dequantize, quantize, quantize_columnwise
 
 __all__ = [
@@ -18,6 +25,8 @@ __all__ = [
     "grouped_quantize",
     "grouped_gemm_tn",
     "grouped_mm_wgrad",
+    "grouped_dequantize",
+    "grouped_mm",
     "raise_error",
     "static_shape",
     "shape_str",

@@ -54,11 +54,14 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, NVFP4Quantizer, Q
 
 __all__ = [
     "token_multiple",
+    "expert_ids",
     "padded_tokens",
     "grouped_amax",
     "grouped_quantize",
     "grouped_gemm_tn",
     "grouped_mm_wgrad",
+    "grouped_dequantize",
+    "grouped_mm",
     "grouped_scale_shape",
 ]
 
@@ -93,9 +96,9 @@ def _padded_ends(ends: torch.Tensor, multiple: int) -> torch.Tensor:
     return ((_counts(ends) + multiple - 1) // multiple * multiple).cumsum(0)
 
 
-def _expert_ids(ends: torch.Tensor, length) -> torch.Tensor:
-    """Expert of each of `length` positions; positions past the last end go to the last expert
-    (they are padding: zeros)."""
+def expert_ids(ends: torch.Tensor, length) -> torch.Tensor:
+    """Expert of each of `length` positions (tokens) given the segment `ends`; positions past the
+    last end go to the last expert (they are padding: zeros). Static shapes."""
     pos = torch.arange(length, device=ends.device, dtype=ends.dtype)
     return torch.searchsorted(ends, pos, right=True).clamp_(max=ends.numel() - 1)
 
@@ -106,7 +109,7 @@ def _column_positions(ends: torch.Tensor, num_tokens, multiple: int) -> torch.Te
         return torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
     pends = _padded_ends(ends, multiple)
     shift = (pends - _counts(pends)) - (ends - _counts(ends))  # padded start - start, per expert
-    return torch.arange(num_tokens, device=ends.device, dtype=ends.dtype) + shift[_expert_ids(ends, num_tokens)]
+    return torch.arange(num_tokens, device=ends.device, dtype=ends.dtype) + shift[expert_ids(ends, num_tokens)]
 
 
 def _columnwise_layout(x: torch.Tensor, ends: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -168,11 +171,11 @@ def grouped_amax(x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, colu
         # The transform mixes tokens within a block: take the amax in the padded layout.
         multiple = token_multiple(quantizer)
         a = _finite_abs(_prepare(_columnwise_layout(x, ends, multiple), quantizer))
-        ids = _expert_ids(_padded_ends(ends, multiple), a.shape[1])
+        ids = expert_ids(_padded_ends(ends, multiple), a.shape[1])
         per_position = a.amax(0) if a.shape[0] else a.new_zeros(a.shape[1])
     else:
         a = _finite_abs(_prepare(x, quantizer))
-        ids = _expert_ids(ends, a.shape[0])
+        ids = expert_ids(ends, a.shape[0])
         per_position = a.amax(1) if a.shape[1] else a.new_zeros(a.shape[0])
     return _segment_amax(per_position, ids, num_experts)
 
@@ -200,7 +203,7 @@ def grouped_quantize(
     multiple = token_multiple(quantizer)
     xs = _columnwise_layout(x, ends, multiple) if columnwise else x
     seg_dim = 1 if columnwise else 0
-    ids = _expert_ids(_padded_ends(ends, multiple) if columnwise else ends, xs.shape[seg_dim])
+    ids = expert_ids(_padded_ends(ends, multiple) if columnwise else ends, xs.shape[seg_dim])
     if isinstance(quantizer, NVFP4Quantizer) and (columnwise or gran is Granularity.BLOCKWISE_2D):
         # NVFP4 block scales need the amax per block, the elements per element: one tensor cannot
         # broadcast to both when the expert segments run along the blocks (columnwise) or across
@@ -249,23 +252,31 @@ def _grouped_quantize_fake(x, quantizer, ends, amax, seed, columnwise):
 
 
 def _dequantize_grouped(
-    data, scale_inv, amax, q: Quantizer, ends: torch.Tensor, num_tokens: int, columnwise: bool, unpad: bool = False
+    data,
+    scale_inv,
+    amax,
+    q: Quantizer,
+    ends: torch.Tensor,
+    num_tokens: int,
+    columnwise: bool,
+    unpad: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """fp32 values of a grouped operand: (T, C) rowwise; (C, Tc) columnwise in its padded layout,
-    or with `unpad` (C, T) in token order (the padding dropped after dequantizing, so a
+    """Values (in `dtype`) of a grouped operand: (T, C) rowwise; (C, Tc) columnwise in its padded
+    layout, or with `unpad` (C, T) in token order (the padding dropped after dequantizing, so a
     transform's inverse sees whole blocks)."""
     gran = q.layout()[0]
     multiple = token_multiple(q) if columnwise else 1
     seg_dim = 1 if columnwise else 0
     length = q.logical_shape(data.shape)[seg_dim]
-    ids = _expert_ids(_padded_ends(ends, multiple), length)
+    ids = expert_ids(_padded_ends(ends, multiple), length)
     if gran is Granularity.TENSORWISE:
         scale_inv = scale_inv[ids].unsqueeze(1 - seg_dim)
     elif gran is Granularity.ROWWISE and columnwise:
         scale_inv = scale_inv.squeeze(-1).t()[:, ids]  # (C, Tc): each column its expert's row scales
     if amax is not None:
         amax = amax[ids].unsqueeze(1 - seg_dim)
-    out = reference.dequantize(data, scale_inv, amax, q, torch.float32)
+    out = reference.dequantize(data, scale_inv, amax, q, dtype)
     if unpad and multiple > 1:
         out = out.index_select(1, _column_positions(ends, num_tokens, multiple))
     return out
@@ -419,3 +430,58 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, out_
 @grouped_mm_wgrad.register_fake
 def _grouped_mm_wgrad_fake(dy, x, ends, out_dtype):
     return dy.new_empty((ends.shape[0], dy.shape[1], x.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("tqcompile::grouped_dequantize", mutates_args=())
+def grouped_dequantize(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    amax: torch.Tensor | None,
+    quantizer: Quantizer,
+    ends: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The (T, C) values, in `out_dtype`, of rowwise grouped tokens from `grouped_quantize`
+    (`amax`: the per-expert amax it was given); each expert's tokens equal a per-expert
+    ``tq.quantize(x_e, quantizer, amax=amax[e]).dequantize()``. Fake quantization of grouped
+    tokens (`tq.calibrate`'s experts) is this after `grouped_quantize`."""
+    num_tokens = quantizer.logical_shape(data.shape)[0]
+    _check_ends(ends, num_tokens, "grouped_dequantize")
+    return _dequantize_grouped(data, scale_inv, amax, quantizer, ends, num_tokens, False, dtype=out_dtype)
+
+
+@grouped_dequantize.register_fake
+def _grouped_dequantize_fake(data, scale_inv, amax, quantizer, ends, out_dtype):
+    return data.new_empty(quantizer.logical_shape(data.shape), dtype=out_dtype)
+
+
+@torch.library.custom_op("tqcompile::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """High-precision grouped linear without bias: per expert e, ``x_e @ weight[e].T`` for the
+    (T, K) tokens `x` sorted by expert (segments by `ends`) and the (E, N, K) `weight`; out (T, N)
+    in x's dtype, zero rows for no token. Differentiable (dgrad is this op on the transposed
+    weight, wgrad `grouped_mm_wgrad`); the GEMM of fake-quantized experts (`tq.calibrate`), which
+    `torch._grouped_mm` cannot be under compile on CPU (its fake kernel refuses fp32)."""
+    _check_ends(ends, x.shape[0], "grouped_mm")
+    with torch.autocast(x.device.type, enabled=False):
+        return _grouped_matmul(x, weight.to(x.dtype).transpose(1, 2), ends)
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(x, weight, ends):
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, weight, ends = inputs
+    ctx.save_for_backward(x, weight, ends)
+
+
+def _grouped_mm_backward(ctx, dy):
+    x, weight, ends = ctx.saved_tensors
+    dx = grouped_mm(dy, weight.transpose(1, 2).contiguous(), ends) if ctx.needs_input_grad[0] else None
+    dw = grouped_mm_wgrad(dy, x, ends, weight.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
