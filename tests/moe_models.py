@@ -117,3 +117,23 @@ class TitanMoEModel(nn.Module):
         for b in self.blocks:
             h = h + b(h)
         return self.out(h)
+
+
+def moe_batch(kind: str, batch: int, seq: int, hidden: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) for a model of `kind` ("titan": `TitanMoEModel`, random vectors; else an
+    HF causal LM of `tiny_hf_moe`: token ids and the next tokens), seeded."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "titan":
+        return torch.randn(batch, seq, hidden, generator=g), torch.randn(batch, seq, hidden, generator=g)
+    ids = torch.randint(0, 128, (batch, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def moe_loss(model: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor, *, tokens: int | None = None) -> torch.Tensor:
+    """The loss of `model` on a `moe_batch`: MSE (titan) or next-token cross entropy, in fp32,
+    averaged over the batch's tokens, or summed over them and divided by `tokens` (a data-parallel
+    rank's part of the loss of a global batch of that many tokens)."""
+    out = model(x) if kind == "titan" else model(input_ids=x, use_cache=False).logits
+    out, y = (out.float(), y) if kind == "titan" else (out.flatten(0, 1).float(), y.flatten())
+    loss = F.mse_loss if kind == "titan" else F.cross_entropy
+    return loss(out, y) if tokens is None else loss(out, y, reduction="sum") / tokens

@@ -11,6 +11,9 @@ Inner tensors (any may be absent, but not both usages):
   1-D blocks (MX, NVFP4 1x16, FP8 1x128), so a dynamic token count T never puts a T // block dim,
   which may be 1, in a compiled graph (see `Quantizer.flat_columnwise_scale`).
 
+`GroupedQuantizedTensor` (at the end of this file) holds E matrices, each with its own scales, as
+the grouped (MoE) GEMMs read them.
+
 Metadata: the quantizer, the original dtype, the *name* of the amax reduction group (see
 `tqcompile.groups` for why a name and not the group), and `rowwise_not_gathered`, the error to
 raise where an FSDP2 gather left the rowwise usage unfilled (None otherwise). `t()` of a 2-D tensor swaps the
@@ -141,7 +144,7 @@ class QuantizedTensor(torch.Tensor):
     def _with(self, shape=None, orig_dtype=None, **inner) -> QuantizedTensor:
         # The same payloads (views, copies): an unfilled rowwise usage stays unfilled where it is kept.
         not_gathered = self.rowwise_not_gathered if "_data" in inner else None
-        return QuantizedTensor(
+        return type(self)(
             self.shape if shape is None else shape,
             self.quantizer,
             orig_dtype or self.orig_dtype,
@@ -413,3 +416,41 @@ def _usages(x, x_t, q: Quantizer, rowwise: bool, columnwise: bool, amaxes, recor
         inner["_amax_t"] = recorded[1]
     inner = {k: v for k, v in inner.items() if v is not None}
     return QuantizedTensor(x.shape, q, x.dtype, group_name, **inner)
+
+
+_GROUPED_OPS = (aten.detach.default, aten.alias.default, aten.clone.default, aten.as_strided.default, aten.is_pinned.default)
+
+
+class GroupedQuantizedTensor(QuantizedTensor):
+    """(E, R, C): E matrices each quantized with its own scales, as the grouped (MoE) GEMMs read them
+    (`tqcompile.ops.grouped_gemm`'s weight layout). The rowwise usage is the (E*R, C) grouped operand,
+    the columnwise usage that of the per-matrix transposes, (E*C, R); ``transpose(1, 2)`` swaps the
+    two. FSDP2's quantized all-gather of expert weights makes them (`tqcompile.distributed.fsdp_experts`)
+    and only `tq.nn.grouped_linear` reads them: detach, alias, clone, the identity `as_strided` FSDP2
+    applies, and ``transpose(1, 2)`` are the ops they support; any other raises, naming it."""
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta, outer_size, outer_stride):
+        quantizer, orig_dtype, group_name, not_gathered = meta
+        return GroupedQuantizedTensor(outer_size, quantizer, orig_dtype, group_name, rowwise_not_gathered=not_gathered, **inner)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        raise NotImplementedError(
+            f"{self!r} holds per-expert grouped operands, read by tq.nn.grouped_linear only; "
+            "dequantize the high-precision weight it was gathered from instead"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        self = args[0]
+        if func in _GROUPED_OPS:  # what FSDP2 and parameters do to it: the 2-D handlers serve as they are
+            return _HANDLERS[func](func, args, kwargs or {})
+        if func is aten.transpose.int and sorted(d % 3 for d in args[1:3]) == [1, 2]:
+            inner = self._inner()
+            swapped = {b: inner[a] for a, b in zip(_ROWWISE + _COLUMNWISE, _COLUMNWISE + _ROWWISE) if a in inner}
+            shape = (self.shape[0], self.shape[2], self.shape[1])
+            return GroupedQuantizedTensor(shape, self.quantizer, self.orig_dtype, self.amax_group_name, **swapped)
+        raise NotImplementedError(
+            f"GroupedQuantizedTensor does not support {func} (it holds {self.quantizer!r} payloads of "
+            f"{self.shape[0]} experts); only detach, alias, clone, as_strided (the identity) and transpose(1, 2)"
+        )

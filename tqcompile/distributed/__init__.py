@@ -1,8 +1,9 @@
 """Distributed pieces: amax reduction groups (re-exported from `tqcompile.groups`, which sits below
-`tqcompile.tensor`), FSDP2 quantized all-gather, DCP checkpoints, and
-tensor/sequence-parallel styles for converted layers."""
+`tqcompile.tensor`), FSDP2 quantized all-gather, DCP checkpoints,
+tensor/sequence-parallel styles for converted layers, and expert parallelism for converted MoE experts."""
 
 from tqcompile.distributed import checkpoint, tensor_parallel
+from tqcompile.distributed.expert_parallel import ExpertParallelDispatch, expert_parallel
 from tqcompile.distributed.fsdp import (
     QuantizedAllGatherWarning,
     QuantizedWeight,
@@ -28,6 +29,8 @@ __all__ = [
     "QuantizedWeight",
     "QuantizedAllGatherWarning",
     "enable_quantized_all_gather",
+    "expert_parallel",
+    "ExpertParallelDispatch",
     "precompute_scales",
     "quantized_all_gather_reason",
     "recompute_in_backward",

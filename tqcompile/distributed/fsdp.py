@@ -54,6 +54,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tqcompile.distributed.agreement import check_ranks_agree, recipe_fact
 from tqcompile.distributed.fsdp_amax import WeightAmaxCache
+from tqcompile.distributed.fsdp_experts import ExpertsPlan, derives_dgrad
+from tqcompile.distributed.fsdp_experts import nbytes as experts_nbytes
+from tqcompile.distributed.fsdp_experts import pack as experts_pack
+from tqcompile.distributed.fsdp_experts import unpack as experts_unpack
 from tqcompile.distributed.fsdp_layout import (
     USAGE_PARTS,
     _cut_blocks,
@@ -69,9 +73,10 @@ from tqcompile.distributed.fsdp_state import ManagedParam, find_managed, local_t
 from tqcompile.distributed.fsdp_tp import tp_split
 from tqcompile.distributed.recompute import fix_recompute
 from tqcompile.nn.base import is_converted
+from tqcompile.nn.experts import experts_layout
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
-from tqcompile.tensor import QuantizedTensor
+from tqcompile.tensor import GroupedQuantizedTensor, QuantizedTensor
 
 __all__ = [
     "QuantizedWeight",
@@ -198,13 +203,15 @@ class QuantizedWeight(torch.Tensor):
     # --- FSDP2 extension -------------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy):
         """Quantize this shard (amaxes reduced over the shard group) into one uint8 buffer."""
-        if len(outer_size) != 2:
+        if len(outer_size) not in (2, 3):
             raise ValueError(
-                f"tq FSDP2 quantized all-gather: layer {self.layer!r}: expected a 2-D weight, got {tuple(outer_size)}"
+                f"tq FSDP2 quantized all-gather: layer {self.layer!r}: expected a 2-D weight (or a 3-D expert weight), "
+                f"got {tuple(outer_size)}"
             )
         group = mesh.get_group()
         world = group.size()
-        plan = _gather_plan(self, tuple(outer_size), world, module)
+        experts = len(outer_size) == 3
+        plan = (_experts_gather_plan if experts else _gather_plan)(self, tuple(outer_size), world, module)
         if self._buffer_bytes is not None and self._buffer_bytes != plan.buffer_bytes:
             raise RuntimeError(
                 f"tq FSDP2 quantized all-gather: layer {self.layer!r}: reshard_after_forward changed after the first "
@@ -221,6 +228,10 @@ class QuantizedWeight(torch.Tensor):
             check_ranks_agree(group, "FSDP2 all-gather", f"tq FSDP2 quantized all-gather: layer {self.layer!r}", facts)
         self._buffer_bytes = plan.buffer_bytes
         param_dtype = mp_policy.param_dtype or self.dtype
+        if experts:  # whole experts on each rank, each with its own scales: no amax collective (fsdp_experts)
+            if plan.high_precision:
+                return (padded_shard(self._tensor, plan.experts, param_dtype),), (plan, param_dtype)
+            return (experts_pack(self._tensor.detach().to(param_dtype), plan),), (plan, param_dtype)
         if plan.high_precision:
             return (padded_shard(self._tensor, plan.rows, param_dtype),), (plan, None, {}, None, param_dtype)
         group_name = group.group_name
@@ -253,6 +264,8 @@ class QuantizedWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out: torch.Tensor | None = None):
         """Unpack every rank's buffer into the unsharded QuantizedTensor (or refill `out`)."""
+        if isinstance(metadata[0], ExpertsPlan):
+            return _experts_post_all_gather(all_gather_outputs[0], *metadata, out)
         plan, tensor_amax, scales, group_name, _ = metadata
         world, (rows, k), q = plan.world, plan.shape, plan.quantizer
         # Each output holds every rank's input, rank after rank; uneven shards split one rank's buffer over several.
@@ -264,29 +277,10 @@ class QuantizedWeight(torch.Tensor):
         if out is not None:
             out = local_tensor(out)  # a DTensor on a 2-D (TP x FSDP) mesh: refill its local tensor
         if plan.high_precision:
-            full = gathered.view(-1, k)[:rows].clone()
-            if out is None:
-                return full, [full]
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                out.copy_(full)
-            return None
+            return _high_precision_result(gathered.view(-1, k)[:rows], out)
         got = unpack(gathered, plan, tensor_amax, scales)
         if out is not None:
-            dsts = {name: getattr(out, name) for name in got}
-            # A refill is the same value autograd saved (the weight did not change since forward), so
-            # keep the version counters, as FSDP2 does for its own all-gather outputs.
-            stale = {
-                name: getattr(out, name) for name in USAGE_PARTS if name not in got and getattr(out, name, None) is not None
-            }
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(dsts.values()) + tuple(stale.values())):
-                for name, t in got.items():
-                    dst = dsts[name]
-                    if dst.dim() and dst.element_size() == 1:
-                        dst.view(_U8).copy_(t.view(_U8))  # float8 / e8m0 payloads and scales: copy their bytes
-                    else:
-                        dst.copy_(t)
-                for t in stale.values():
-                    poison(t)
+            _refill(out, got)
             _mark_rowwise(out, plan, self.layer)
             return None
         add_unfilled_usages(got, plan, tensor_amax is not None, gathered.device)
@@ -295,11 +289,67 @@ class QuantizedWeight(torch.Tensor):
         return result, list(result._inner().values())
 
 
+def _high_precision_result(full: torch.Tensor, out: torch.Tensor | None):
+    """What `fsdp_post_all_gather` returns for a weight gathered in high precision (`full`, a view of the gathered buffer)."""
+    full = full.clone()
+    if out is None:
+        return full, [full]
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+        out.copy_(full)
+    return None
+
+
+def _refill(out: QuantizedTensor, got: dict[str, torch.Tensor]) -> None:
+    """Copy a later gather's inner tensors `got` into the unsharded QuantizedTensor `out` (FSDP2
+    frees and refills the same tensors); the usages it did not bring are poisoned (`fsdp_layout.poison`)."""
+    dsts = {name: getattr(out, name) for name in got}
+    # A refill is the same value autograd saved (the weight did not change since forward), so
+    # keep the version counters, as FSDP2 does for its own all-gather outputs.
+    stale = {name: getattr(out, name) for name in USAGE_PARTS if name not in got and getattr(out, name, None) is not None}
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(dsts.values()) + tuple(stale.values())):
+        for name, t in got.items():
+            dst = dsts[name]
+            if dst.dim() and dst.element_size() == 1:
+                dst.view(_U8).copy_(t.view(_U8))  # float8 / e8m0 payloads and scales: copy their bytes
+            else:
+                dst.copy_(t)
+        for t in stale.values():
+            poison(t)
+
+
+def _experts_post_all_gather(gathered: torch.Tensor, plan: ExpertsPlan, param_dtype: torch.dtype, out: torch.Tensor | None):
+    """`fsdp_post_all_gather` of a 3-D expert weight: a `GroupedQuantizedTensor` (`fsdp_experts`), or a refill of `out`."""
+    if plan.high_precision:
+        return _high_precision_result(gathered.view(-1, *plan.shape[1:])[: plan.shape[0]], out)
+    got = experts_unpack(gathered, plan)
+    if out is not None:
+        _refill(out, got)
+        return None
+    # Every usage exists from the first gather on (FSDP2 refills these tensors); those not gathered are poisoned.
+    for name, shape, dtype in plan.parts(plan.shape[0], True, True):
+        if name not in got:
+            got[name] = torch.empty(shape, dtype=dtype, device=gathered.device)
+            poison(got[name])
+    result = GroupedQuantizedTensor(plan.shape, plan.quantizer, param_dtype, None, **got)
+    return result, list(result._inner().values())
+
+
 def managed_param(weight: QuantizedWeight) -> ManagedParam | None:
     """The FSDP2 group and parameter managing `weight` (`fsdp_state`), looked up once."""
     if weight._managed is None:
         weight._managed = find_managed(weight)
     return weight._managed
+
+
+def _managed_or_raise(weight: QuantizedWeight) -> ManagedParam:
+    found = managed_param(weight)
+    if found is None:
+        raise RuntimeError(
+            f"tq FSDP2 quantized all-gather: layer {weight.layer!r}: this weight is not the sharded parameter FSDP2 "
+            "manages (FSDP2's CPU offload copies it before the gather, which is not supported); convert with "
+            "fsdp_quantized_all_gather=False to offload"
+        )
+    return found
 
 
 def _in_backward(weight: QuantizedWeight) -> bool:
@@ -310,13 +360,7 @@ def _in_backward(weight: QuantizedWeight) -> bool:
 def _gather_plan(weight: QuantizedWeight, shape: tuple[int, int], world: int, module: nn.Module) -> _Plan:
     """What this gather of `weight` moves (`fsdp_layout._Plan`), from FSDP2's state and the layer."""
     q, layer = weight.quantizer, weight.layer
-    found = managed_param(weight)
-    if found is None:
-        raise RuntimeError(
-            f"tq FSDP2 quantized all-gather: layer {layer!r}: this weight is not the sharded parameter FSDP2 "
-            "manages (FSDP2's CPU offload copies it before the gather, which is not supported); convert with "
-            "fsdp_quantized_all_gather=False to offload"
-        )
+    found = _managed_or_raise(weight)
     tp = None
     if found.is_dtensor():
         # Tensor parallel x FSDP2 (tqcompile.distributed.fsdp_tp): a weight of a tqcompile TP layer
@@ -335,23 +379,53 @@ def _gather_plan(weight: QuantizedWeight, shape: tuple[int, int], world: int, mo
             warnings.warn(f"tq FSDP2 quantized all-gather: {cut}", QuantizedAllGatherWarning, stacklevel=3)
             weight._warned = True
         return _Plan(q, shape, world, False, False, 0, high_precision=True)
-    in_backward = found.in_backward()
-    if q.columnwise_is_transpose():
-        rowwise, columnwise, both = True, False, ("row",)
-    elif found.reshards_after_forward() and fix_recompute(module, found.modules(), layer):
-        # Activation checkpointing re-runs the forward after the backward re-gather: it brings both usages.
-        rowwise, columnwise = True, in_backward
-        both = ("row", "row+col")
-    elif found.reshards_after_forward():
-        rowwise, columnwise = not in_backward, in_backward
-        both = ("row", "col")
-    else:  # gathered once for forward and backward
-        rowwise = columnwise = True
-        both = ("row+col",)
+    rowwise, columnwise, both = _gather_usages(q.columnwise_is_transpose(), found, module, layer)
     plan = _Plan(q, shape, world, rowwise, columnwise, 0, tp=tp)
     sizes = {"row": _nbytes(plan.parts(True, False)), "col": _nbytes(plan.parts(False, True))}
     sizes["row+col"] = sizes["row"] + sizes["col"]
     return dataclasses.replace(plan, buffer_bytes=max(sizes[b] for b in both))
+
+
+def _gather_usages(transposable: bool, found: ManagedParam, module: nn.Module, layer: str) -> tuple[bool, bool, tuple[str, ...]]:
+    """(rowwise, columnwise, every usage set this weight's gathers move) for this gather: the
+    rowwise (fprop) usage in forward, the columnwise (dgrad) one in backward, both where one gather
+    serves both passes; the rowwise only where the columnwise is its transpose (`transposable`)."""
+    in_backward = found.in_backward()
+    if transposable:
+        return True, False, ("row",)
+    if found.reshards_after_forward() and fix_recompute(module, found.modules(), layer):
+        # Activation checkpointing re-runs the forward after the backward re-gather: it brings both usages.
+        return True, in_backward, ("row", "row+col")
+    if found.reshards_after_forward():
+        return not in_backward, in_backward, ("row", "col")
+    return True, True, ("row+col",)  # gathered once for forward and backward
+
+
+def _experts_gather_plan(weight: QuantizedWeight, shape: tuple[int, int, int], world: int, module: nn.Module) -> ExpertsPlan:
+    """What this gather of a converted experts module's 3-D `weight` moves (`fsdp_experts`)."""
+    q, layer = weight.quantizer, weight.layer
+    found = _managed_or_raise(weight)
+    layout = getattr(module, "tq_experts_layout", None)
+    gemm = None if layout is None else next((g for g in layout.gemms if g.weight == found.param_name()), None)
+    if gemm is None or found.shard_dim() != 0 or found.is_dtensor():
+        raise ValueError(
+            f"tq FSDP2 quantized all-gather: {layer!r}: a 3-D weight is gathered quantized only as an expert weight "
+            "of a converted experts module, sharded by fully_shard on dim 0 (the experts) over a 1-D mesh"
+        )
+    if shape[0] % world:
+        if not weight._warned:
+            warnings.warn(
+                f"tq FSDP2 quantized all-gather: {layer!r}: its {shape[0]} experts do not divide over {world} ranks; it is "
+                "all-gathered in high precision instead (same numerics, more bytes)",
+                QuantizedAllGatherWarning,
+                stacklevel=4,
+            )
+            weight._warned = True
+        return ExpertsPlan(q, shape, world, gemm.transposed, False, False, 0, high_precision=True)
+    fprop, dgrad, both = _gather_usages(derives_dgrad(q), found, module, layer)
+    plan = ExpertsPlan(q, shape, world, gemm.transposed, fprop, dgrad, 0)
+    sizes = {b: experts_nbytes(plan.parts(plan.experts, "row" in b, "col" in b)) for b in both}
+    return dataclasses.replace(plan, buffer_bytes=max(sizes.values()))
 
 
 def _mark_rowwise(weight: QuantizedTensor, plan: _Plan, layer: str) -> None:
@@ -401,10 +475,20 @@ def enable_converted_layers(model: nn.Module, layers: list[str]) -> int:
 
 
 def _enable(module: nn.Module, layer: str, owners: dict[int, list[tuple[str, nn.Module]]] | None, caller: str) -> bool:
-    weight = getattr(module, "weight", None)
-    if not is_converted(module) or weight is None or weight.dim() != 2 or isinstance(weight, QuantizedWeight):
+    if not is_converted(module) or quantized_all_gather_reason(module.recipe) is not None:
         return False
-    if quantized_all_gather_reason(module.recipe) is not None:
+    layout = experts_layout(module)
+    if layout is None:
+        return _wrap(module, "weight", 2, layer, owners, caller)
+    if module.recipe.amax_history_len:
+        return False  # delayed scaling rolls per-expert histories inside the grouped GEMM: gathered in high precision
+    # A converted experts module: each of its 3-D expert weights (`fsdp_experts`).
+    return any([_wrap(module, g.weight, 3, f"{layer}.{g.weight}", owners, caller) for g in layout.gemms])
+
+
+def _wrap(module: nn.Module, name: str, dims: int, layer: str, owners, caller: str) -> bool:
+    weight = getattr(module, name, None)
+    if weight is None or weight.dim() != dims or isinstance(weight, QuantizedWeight):
         return False
     others = sorted({name for name, m in owners.get(id(weight), []) if m is not module}) if owners is not None else []
     if others:
@@ -417,7 +501,8 @@ def _enable(module: nn.Module, layer: str, owners: dict[int, list[tuple[str, nn.
             stacklevel=3,
         )
         return False
-    module.weight = nn.Parameter(QuantizedWeight(weight.data, module.recipe.fprop_weight, layer), requires_grad=weight.requires_grad)
+    wrapped = QuantizedWeight(weight.data, module.recipe.fprop_weight, layer)
+    setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
     return True
 
 

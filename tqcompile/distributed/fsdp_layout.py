@@ -101,11 +101,11 @@ def _transpose_payload(data: torch.Tensor, q: Quantizer) -> torch.Tensor:
 
 
 def padded_shard(shard: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's shard in `dtype` (what a high-precision gather would send), with zero rows up to
-    the padded shard's `rows` (FSDP2 pads the last shard; zeros change no amax)."""
+    """This rank's shard in `dtype` (what a high-precision gather would send), with zero rows (3-D:
+    experts) up to the padded shard's `rows` (FSDP2 pads the last shard; zeros change no amax)."""
     x = shard.detach().to(dtype)
     if x.shape[0] < rows:
-        x = torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
+        x = torch.cat((x, x.new_zeros(rows - x.shape[0], *x.shape[1:])))
     return x
 
 

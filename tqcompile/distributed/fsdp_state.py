@@ -41,6 +41,10 @@ class ManagedParam:
         """The modules `fully_shard` was applied to for this group."""
         return tuple(self.group.modules)
 
+    def param_name(self) -> str:
+        """The parameter's name on the module that holds it (`modules()` are the FSDP2 units)."""
+        return self.param._module_info.param_name
+
     def shard_dim(self) -> int:
         return self.param.fsdp_placement.dim
 

@@ -28,8 +28,8 @@ def precompute_scales(model: nn.Module) -> int:
     by_group: dict[str | None, list[tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor | None]]] = {}
     for p in model.parameters():
         w = local_tensor(p)
-        if not isinstance(w, QuantizedWeight):
-            continue
+        if not isinstance(w, QuantizedWeight) or w.dim() == 3:
+            continue  # 3-D expert weights: each rank quantizes its own whole experts, no amax to reduce (fsdp_experts)
         found = managed_param(w)
         name = found.shard_group().group_name if found is not None else None
         by_group.setdefault(name, []).append((w, *shard_amaxes(w.quantizer, w._tensor)))

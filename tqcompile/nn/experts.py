@@ -26,6 +26,7 @@ import inspect
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tqcompile.nn.base import QuantizedModule
 from tqcompile.nn.grouped import grouped_linear, grouped_unsupported_reason
@@ -126,25 +127,60 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     return perm, counts
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of an expert-parallel DTensor (an autograd
+    view: the gradient flows back to the DTensor), else the parameter itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def expert_weight(module: nn.Module, gemm: ExpertGemm) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of one expert GEMM: the (E, out, in) weight (a view of a transposed
-    parameter) and the (E, out) bias or None."""
-    w = module._parameters[gemm.weight]
-    return (w.transpose(1, 2) if gemm.transposed else w), (None if gemm.bias is None else module._parameters[gemm.bias])
+    parameter) and the (E, out) bias or None; under expert parallelism this rank's experts only."""
+    w = _local(module._parameters[gemm.weight])
+    return (w.transpose(1, 2) if gemm.transposed else w), (None if gemm.bias is None else _local(module._parameters[gemm.bias]))
 
 
 class ExpertsRouting:
     """Mixin placed *before* an experts module's own class: its `forward` runs the module's
     routing (one implementation per layout, below) and every expert GEMM through
     `_expert_gemm(index, x_sorted, counts)`, which subclasses define: `QuantizedExperts`
-    (`tq.convert`, quantized per expert) and the fake-quantized experts of `tq.calibrate`."""
+    (`tq.convert`, quantized per expert) and the fake-quantized experts of `tq.calibrate`.
+
+    The forward is routing -> `compute_local` (the experts' MLP on tokens sorted by expert) ->
+    combining. Under expert parallelism (`tq.distributed.expert_parallel`), `tq_dispatch` sends
+    each token to the rank holding its expert before `compute_local` and brings the result back
+    after it; the 3-D weights are then DTensors sharded on dim 0, and `compute_local` uses this
+    rank's experts (`expert_weight`)."""
 
     tq_experts_layout: ExpertsLayout
+    # Set by tq.distributed.expert_parallel: an object with `dispatch(x, counts) -> (x, counts, state)`
+    # (tokens sorted by global expert -> this rank's experts' tokens, sorted by local expert) and
+    # `combine(y, state)` (the way back). None: every expert is local.
+    tq_dispatch = None
     _tq_mixin_first = True  # the generated class puts this class before the model's own
 
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """GEMM `index` of the layout on tokens `x` sorted by expert, `counts` (int64, (E,)) per expert."""
+        """GEMM `index` of the layout on tokens `x` sorted by (local) expert, `counts` (int64) per expert."""
         raise NotImplementedError
+
+    def compute_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' MLP on tokens `x` sorted by this rank's experts, `counts` (int64) per expert:
+        the part of the forward between the expert-parallel all-to-alls, which runs no collective."""
+        if self.tq_experts_layout.style == "hf":
+            h = self._expert_gemm(0, x, counts)
+            h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+            out = self._expert_gemm(1, h, counts)
+            return self.post_expert_norm(out) if getattr(self, "has_post_expert_norm", False) else out
+        # torchtitan's GroupedExperts: w2(silu(w1 x) * w3 x) per expert.
+        h = torch.nn.functional.silu(self._expert_gemm(0, x, counts)) * self._expert_gemm(1, x, counts)
+        return self._expert_gemm(2, h, counts)
+
+    def _sorted_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`compute_local` on tokens sorted by global expert, through `tq_dispatch` where experts are sharded."""
+        if self.tq_dispatch is None:
+            return self.compute_local(x, counts)
+        x_local, counts_local, state = self.tq_dispatch.dispatch(x, counts)
+        return self.tq_dispatch.combine(self.compute_local(x_local, counts_local), state)
 
     def forward(self, *args, **kwargs):
         if self.tq_experts_layout.style == "hf":
@@ -189,14 +225,9 @@ def _hf_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     GEMM grouped and quantized: the same routing, sum over the top-k in fp32."""
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
-    num_experts = self._parameters[self.tq_experts_layout.gemms[0].weight].shape[0]
+    num_experts = self._parameters[self.tq_experts_layout.gemms[0].weight].shape[0]  # global, also under EP
     perm, counts = sort_by_expert(top_k_index.reshape(-1), num_experts)
-    x = hidden_states[perm // top_k]
-    h = self._expert_gemm(0, x, counts)
-    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    out = self._expert_gemm(1, h, counts)
-    if getattr(self, "has_post_expert_norm", False):
-        out = self.post_expert_norm(out)
+    out = self._sorted_experts(hidden_states[perm // top_k], counts)
     out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     # Back to (token, k) order, then the sum over the k experts of each token.
     unsorted = torch.empty_like(out).index_copy_(0, perm, out)
@@ -205,6 +236,4 @@ def _hf_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
 
 def _torchtitan_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """torchtitan's `GroupedExperts` forward: ``w2(silu(w1 x) * w3 x)`` per expert, tokens sorted."""
-    counts = num_tokens_per_expert.to(torch.int64)
-    h = torch.nn.functional.silu(self._expert_gemm(0, x, counts)) * self._expert_gemm(1, x, counts)
-    return self._expert_gemm(2, h, counts).to(x.dtype)
+    return self._sorted_experts(x, num_tokens_per_expert.to(torch.int64)).to(x.dtype)

@@ -37,6 +37,7 @@ from tqcompile.ops import grouped_gemm as gops
 from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
+from tqcompile.tensor import GroupedQuantizedTensor
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_unsupported_reason"]
 
@@ -110,6 +111,30 @@ def _weight_ends(num_experts: int, rows: int, device: torch.device) -> torch.Ten
     return torch.arange(1, num_experts + 1, device=device, dtype=torch.int64) * rows
 
 
+def quantize_expert_weight(
+    weight: torch.Tensor, q: Quantizer, *, dgrad: bool, history: torch.Tensor | None = None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(payload, scale_inv, amax) of the (E, N, K) expert weight as the grouped GEMMs read it, each
+    expert with its own scales: fprop's (E*N, K) operand, or with `dgrad` that of the per-expert
+    transposes, (E*K, N). Experts are quantized independently, so quantizing a slice of experts
+    (an FSDP2 shard on dim 0) gives that slice of the whole's result. `history` / `amax`: delayed
+    scaling's (`_quantize_grouped`)."""
+    e, n, k = weight.shape
+    w = weight.transpose(1, 2) if dgrad else weight
+    rows = k if dgrad else n
+    ends = _weight_ends(e, rows, weight.device)
+    g = _quantize_grouped(w.reshape(e * rows, -1), q, ends, columnwise=False, amax_group=None, history=history, amax=amax)
+    return g.data, g.scale_inv, g.amax
+
+
+def _weight_operand(weight: torch.Tensor, q: Quantizer, *, dgrad: bool, history=None, amax=None) -> _Grouped:
+    """fprop's (or dgrad's) grouped operand of the (E, N, K) weight: quantized here, or, for a weight
+    FSDP2 all-gathered quantized (a `GroupedQuantizedTensor`), its rowwise (columnwise) usage as it is."""
+    if isinstance(weight, GroupedQuantizedTensor):
+        return _Grouped(*weight.usage(dgrad), weight.quantizer)
+    return _Grouped(*quantize_expert_weight(weight, q, dgrad=dgrad, history=history, amax=amax), q)
+
+
 @dataclasses.dataclass(frozen=True)
 class _GroupedCtx:
     recipe: Recipe
@@ -126,12 +151,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         # hist_*: delayed scaling's (L, E) histories, or None. Forward scales from clones (as
         # tq.nn.linear does): backward rolls the real ones, so a recomputed forward rolls nothing twice.
         r = recipe
-        num_experts, n, k = weight.shape
-        w_ends = _weight_ends(num_experts, n, weight.device)
         next_x, next_w = (None, None) if hist_x is None else (hist_x.clone(), hist_w.clone())
         qx = _quantize_grouped(x, r.fprop_input, ends, columnwise=False, amax_group=amax_group, history=next_x)
-        w2 = weight.reshape(num_experts * n, k)
-        qw = _quantize_grouped(w2, r.fprop_weight, w_ends, columnwise=False, amax_group=None, history=next_w)
+        qw = _weight_operand(weight, r.fprop_weight, dgrad=False, history=next_w)
         y = gops.grouped_gemm_tn(*qx.args(), *qw.args(), ends, False, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)[gops.expert_ids(ends, x.shape[0])]
@@ -168,11 +190,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0] or hist_dy is not None:
             qdy = _quantize_grouped(dy, r.dgrad_grad, ends, columnwise=False, amax_group=a.amax_group, history=hist_dy)
         if ctx.needs_input_grad[0]:
-            w_t = weight.transpose(1, 2).reshape(num_experts * k, n)
             w_used = None if delayed is None else delayed[2]  # delayed scaling: the weight's forward scale
-            qwt = _quantize_grouped(
-                w_t, r.dgrad_weight, _weight_ends(num_experts, k, weight.device), columnwise=False, amax_group=None, amax=w_used
-            )
+            qwt = _weight_operand(weight, r.dgrad_weight, dgrad=True, amax=w_used)
             dx = gops.grouped_gemm_tn(*qdy.args(), *qwt.args(), ends, False, a.input_dtype)
         if ctx.needs_input_grad[1]:
             if a.wgrad_quantizer is None:
