@@ -16,9 +16,10 @@ values held by `LinearFwdArgs`:
 The base classes here are the single-process layout; `tqcompile.distributed.tp_linear` subclasses
 them for TP shards. Sources hold no tensors (a compiled graph bakes them in as constants, and
 Dynamo guards on them); tensors a source made earlier (a shared sequence gather) travel as the
-Function's tensor arguments. Grouped MoE experts are meant to plug in the same way: an
-`ActivationSource` whose `quantize` scales each expert's token segment on its own and whose `gemm`
-is the grouped op, and a `WeightSource` for the 3-D expert weight.
+Function's tensor arguments. Grouped MoE experts have a Function of their own
+(`tqcompile.nn.grouped`: every operand quantized per expert token segment, the grouped GEMM ops),
+whose weight operand is read, as here, from an FSDP2-gathered `GroupedQuantizedTensor` as it is
+or quantized locally (`_weight_operand`); folding it into these sources is not done.
 """
 
 from __future__ import annotations
