@@ -64,18 +64,26 @@ class FlopCount(TorchDispatchMode):
         return out
 
 
-def build(kind: str) -> torch.nn.Module:
+def build(kind: str, *, hidden: int = 256, intermediate: int = 896, experts: int = 8, vocab: int = 1024) -> torch.nn.Module:
+    """A `kind` ("mixtral", "qwen3_moe", "gpt_oss") *ForCausalLM from its config: 2 layers, 4
+    heads, top-2 routing, seeded, in training mode (also used by bench_moe_training.py)."""
     import transformers
 
     common = dict(
-        vocab_size=1024, hidden_size=256, intermediate_size=896, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
     )
     cfg = {
-        "mixtral": lambda: transformers.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **common),
+        "mixtral": lambda: transformers.MixtralConfig(num_local_experts=experts, **common),
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=896, head_dim=64, **common
+            num_experts=experts, moe_intermediate_size=intermediate, head_dim=hidden // 4, **common
         ),
-        "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=8, num_experts_per_tok=2, head_dim=64, **common),
+        "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=experts, head_dim=hidden // 4, **common),
     }[kind]()
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).train()

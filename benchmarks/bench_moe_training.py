@@ -12,29 +12,13 @@ import argparse
 import warnings
 
 import torch
+from bench_moe_gemm_flops import build  # the same models, smaller
 
 import tqcompile as tq
 
 
-def build(kind: str) -> torch.nn.Module:
-    import transformers
-
-    common = dict(
-        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    cfg = {
-        "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common),
-        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, head_dim=32, **common
-        ),
-        "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=32, **common),
-    }[kind]()
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).train()
-
-
 def losses(kind: str, recipe: str | None, steps: int) -> list[float]:
-    model = build(kind)
+    model = build(kind, hidden=128, intermediate=128, experts=4, vocab=256)
     if recipe is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tq.nn.ConversionWarning)
