@@ -109,11 +109,6 @@ def expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
                 f"expert_parallel: experts module {name or '<root>'!r} ({type(module).__name__}) is not converted; "
                 "call tq.convert(model, recipe) first (its routing then runs through tqcompile)"
             )
-        if module.recipe.amax_history_len:
-            raise ValueError(
-                f"expert_parallel: experts module {name or '<root>'!r} uses delayed scaling ({module.recipe.name}), whose "
-                "per-expert amax histories are not sharded with the experts; use a current-scaling recipe"
-            )
         if module.tq_dispatch is not None:
             raise ValueError(f"expert_parallel: experts module {name or '<root>'!r} is already expert-parallel")
         _shard_experts(module, name or "<root>", ep_mesh)
@@ -141,3 +136,7 @@ def _shard_experts(module: QuantizedExperts, name: str, mesh: DeviceMesh) -> Non
         plain = p._tensor if isinstance(p, QuantizedWeight) else p
         sharded = distribute_tensor(plain.detach(), mesh, [Shard(0)])
         module._parameters[p_name] = nn.Parameter(sharded, requires_grad=p.requires_grad)
+    # Delayed scaling's (L, E) histories: one window per expert, sharded with the experts (DCP then
+    # reshards them too); each rank rolls its experts' windows with the amaxes one process sees.
+    for b_name in module._amax_history_names():
+        module._buffers[b_name] = distribute_tensor(module._buffers[b_name], mesh, [Shard(1)])

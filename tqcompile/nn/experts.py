@@ -214,7 +214,7 @@ class QuantizedExperts(ExpertsRouting, _AmaxHistoryOwner, QuantizedModule):
         w, bias = expert_weight(self, g)
         if not self.recipe.amax_history_len:
             return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
-        histories = tuple(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"] for operand in _OPERANDS)
+        histories = tuple(_local(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"]) for operand in _OPERANDS)
         return grouped_linear(
             x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=self.training
         )
