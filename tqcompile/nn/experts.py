@@ -212,17 +212,19 @@ class QuantizedExperts(ExpertsRouting, _AmaxHistoryOwner, QuantizedModule):
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         g = self.tq_experts_layout.gemms[index]
         w, bias = expert_weight(self, g)
-        if not self.recipe.amax_history_len:
-            return grouped_linear(x, counts, w, bias, self.recipe, amax_group=self.amax_group_name)
-        histories = tuple(_local(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"]) for operand in _OPERANDS)
+        histories, update = None, True
+        if self.recipe.amax_history_len:  # read `training` only here: Dynamo guards on it for delayed scaling only
+            histories = tuple(_local(self._buffers[f"{HISTORY_PREFIX}{g.weight}_{operand}"]) for operand in _OPERANDS)
+            update = self.training
         return grouped_linear(
-            x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=self.training
+            x, counts, w, bias, self.recipe, amax_group=self.amax_group_name, amax_histories=histories, update_amax_histories=update
         )
 
 
 def _hf_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' grouped experts forward (`integrations.moe.grouped_mm_experts_forward`), each
-    GEMM grouped and quantized: the same routing, sum over the top-k in fp32."""
+    """transformers' grouped experts forward (`integrations.moe.grouped_mm_experts_forward`): the
+    same routing (sort the (token, k) pairs by expert, weight, unpermute, sum over the top-k), with
+    every expert GEMM through `_expert_gemm`."""
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts = self._parameters[self.tq_experts_layout.gemms[0].weight].shape[0]  # global, also under EP
