@@ -221,7 +221,7 @@ class TensorQuantizer(nn.Module):
         if self.num_experts is not None and self.static_kind == "tensor":
             # Stacked (E, N, K) expert weights, one tensor-level amax per expert: E segments of N rows.
             e, n, k = x.shape
-            w_ends = torch.arange(1, e + 1, device=x.device, dtype=torch.int64) * n
+            w_ends = gops.equal_ends(e, n, x.device)
             per_expert = None if amax is None else amax.reshape(e)
             return fake_quantize_grouped(x.reshape(e * n, k), q, w_ends, per_expert, ste=self.ste).view(e, n, k)
         return fake_quantize(x, q, amax, ste=self.ste)

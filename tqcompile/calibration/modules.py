@@ -35,7 +35,7 @@ from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, experts_layout
 from tqcompile.nn.grouped import GroupedLinear
-from tqcompile.ops.grouped_gemm import expert_ids, grouped_mm
+from tqcompile.ops.grouped_gemm import equal_ends, expert_ids, grouped_mm
 
 __all__ = [
     "FakeQuantModule",
@@ -111,7 +111,7 @@ class _GroupedLinearFQ(FakeQuantModule):
                     f"GroupedLinear: expected x of shape ({self.num_experts}, tokens, {self.in_features}) or m_splits, got {tuple(x.shape)}"
                 )
             e, c, _ = x.shape  # a fixed capacity: E segments of c tokens
-            ends = torch.arange(1, e + 1, device=x.device, dtype=torch.int64) * c
+            ends = equal_ends(e, c, x.device)
             return _fake_quant_grouped_linear(self, x.reshape(e * c, -1), ends, self.weight, self.bias).view(e, c, -1)
         # The counts stay a tensor (no .tolist()): a compiled QAT model serves every routing with one graph.
         counts = m_splits if isinstance(m_splits, torch.Tensor) else torch.tensor(list(m_splits), device=x.device)

@@ -107,10 +107,6 @@ def _quantize_grouped(
     return _Grouped(data, scale_inv, amax, q)
 
 
-def _weight_ends(num_experts: int, rows: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(1, num_experts + 1, device=device, dtype=torch.int64) * rows
-
-
 def quantize_expert_weight(
     weight: torch.Tensor, q: Quantizer, *, dgrad: bool, history: torch.Tensor | None = None, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -122,7 +118,7 @@ def quantize_expert_weight(
     e, n, k = weight.shape
     w = weight.transpose(1, 2) if dgrad else weight
     rows = k if dgrad else n
-    ends = _weight_ends(e, rows, weight.device)
+    ends = gops.equal_ends(e, rows, weight.device)
     g = _quantize_grouped(w.reshape(e * rows, -1), q, ends, columnwise=False, amax_group=None, history=history, amax=amax)
     return g.data, g.scale_inv, g.amax
 

@@ -54,6 +54,7 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, NVFP4Quantizer, Q
 
 __all__ = [
     "token_multiple",
+    "equal_ends",
     "expert_ids",
     "padded_tokens",
     "grouped_amax",
@@ -94,6 +95,11 @@ def _padded_ends(ends: torch.Tensor, multiple: int) -> torch.Tensor:
     if multiple == 1:
         return ends
     return ((_counts(ends) + multiple - 1) // multiple * multiple).cumsum(0)
+
+
+def equal_ends(num_experts: int, rows: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Segment ends of `num_experts` equal segments of `rows` (stacked expert weights, a fixed capacity)."""
+    return torch.arange(1, num_experts + 1, device=device, dtype=dtype) * rows
 
 
 def expert_ids(ends: torch.Tensor, length) -> torch.Tensor:
@@ -403,7 +409,7 @@ def grouped_gemm_tn(
             return _grouped_matmul(a, b.t(), seg_ends).to(out_dtype)
         a = _dequantize_grouped(a_data, a_scale_inv, a_amax, a_quantizer, ends, a_data.shape[0], False)  # (T, K)
         n = b_data.shape[0] // max(num_experts, 1)
-        w_ends = torch.arange(1, num_experts + 1, device=ends.device, dtype=ends.dtype) * n
+        w_ends = equal_ends(num_experts, n, ends.device, ends.dtype)
         b = _dequantize_grouped(b_data, b_scale_inv, b_amax, b_quantizer, w_ends, b_data.shape[0], False)  # (E*N, K)
         return _grouped_matmul(a, b.view(num_experts, n, -1).transpose(1, 2), ends).to(out_dtype)
 
