@@ -138,6 +138,10 @@ def _recipe_units(name: str, module: nn.Module) -> Iterator[ExportUnit]:
     recipe = module.recipe
     wq, iq = recipe.fprop_weight, recipe.fprop_input
     src = f"recipe {recipe.name}"
+    if isinstance(iq, NVFP4Quantizer):
+        # An NVFP4 activation's global scale is static in every serving format, and training
+        # computed it from each input: without a calibrated amax, the weights export alone.
+        iq, src = None, src + "; activations 16-bit: calibrate an NVFP4 input amax (tq.calibrate) for W4A4"
     if isinstance(module, QuantizedExperts):
         for g in module.tq_experts_layout.gemms:
             unit_name = f"{name}.{g.weight}_gemm"
