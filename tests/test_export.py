@@ -198,3 +198,66 @@ def test_bad_input(tmp_path):
     tq.calibrate(m2, e5m2, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
     with pytest.raises(ExportError, match=r"q_proj.*E5M2.*no compressed-tensors form"):
         tq.export(m2, str(tmp_path / "d"))
+
+
+def _modelopt_dequant(t: dict, prefix: str, algo: str) -> torch.Tensor:
+    """A ModelOpt layer dequantized the way its loaders define: ``q * weight_scale`` (NVFP4: times
+    ``weight_scale_2``), block scales repeated over their blocks."""
+    from tqcompile.kernels.reference import _unpack_nibbles, e2m1_decode
+
+    w, s = t[f"{prefix}.weight"], t[f"{prefix}.weight_scale"]
+    if algo == "MXFP8":
+        return w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, dim=-1)
+    if algo == "NVFP4":
+        vals = e2m1_decode(_unpack_nibbles(w))
+        return vals * (s.float().repeat_interleave(16, dim=-1) * t[f"{prefix}.weight_scale_2"])
+    if algo == "FP8_PB_WO":
+        return w.float() * s.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    return w.float() * s
+
+
+@pytest.mark.parametrize(
+    "name,algo", [("fp8_tensor", "FP8"), ("fp8_channel_token", "FP8_PER_CHANNEL_PER_TOKEN"), ("mxfp8", "MXFP8"), ("nvfp4", "NVFP4")]
+)
+def test_modelopt_export(tmp_path, name, algo):
+    model = _calibrated(name)
+    path = str(tmp_path / "ckpt")
+    tq.export(model, path, format="modelopt")
+    hf_quant = json.load(open(os.path.join(path, "hf_quant_config.json")))
+    assert hf_quant["quantization"]["quant_algo"] == algo and hf_quant["quantization"]["exclude_modules"] == ["lm_head"]
+    qc = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quantization"] == hf_quant["quantization"]
+    t = _read(path)
+    for n, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or n == "lm_head":
+            continue
+        with torch.no_grad():
+            amax = _shared_nvfp4_amax(model, n) if algo == "NVFP4" else None
+            want = tq.quantize(m.weight, m.weight_quantizer.quantizer, amax=amax).dequantize() if amax is not None else m.weight_quantizer(m.weight)
+        got = _modelopt_dequant(t, n, algo)
+        if algo == "NVFP4":
+            # weight_scale_2 is the fp32 reciprocal of tq's s_enc: one more rounding than tq's q * (s_blk / s_enc).
+            torch.testing.assert_close(got, want, rtol=2**-22, atol=0)
+        else:
+            assert torch.equal(got, want), n
+        assert (f"{n}.input_scale" in t) == (algo in ("FP8", "NVFP4"))
+
+
+def test_qat_export_after_training_steps(tmp_path):
+    """QAT moves the weights, not the calibrated amaxes: the export writes the weights the QAT model computes with."""
+    model = _calibrated("int8_static").train()
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(before, model.model.layers[0].mlp.down_proj.weight)
+    path = str(tmp_path / "ckpt")
+    tq.export(model.eval(), path)
+    t = _read(path)
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) and n != "lm_head":
+            with torch.no_grad():
+                _assert_bits(_decompress(path, t, n), m.weight_quantizer(m.weight), n)
