@@ -60,31 +60,55 @@ def _model(hidden: int, layers: int):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def _measure(kind: str, hidden: int, layers: int, root: str, queue) -> None:
+    """In a fresh process (so that one measurement's freed memory cannot hide the next one's peak):
+    build and calibrate the model, then time `tq.export` or the float `save_pretrained`."""
+    warnings.simplefilter("ignore")
+    model = _model(hidden, layers)
+    if kind == "export":
+        ids = torch.randint(0, 8192, (1, 64))
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(ids), progress=False)
+        out = {}
+        peak, secs = _peak_during(lambda: out.setdefault("r", tq.export(model, f"{root}/q", dtype=torch.bfloat16)))
+        written = out["r"].bytes_written
+    else:
+        peak, secs = _peak_during(lambda: model.save_pretrained(f"{root}/f"))
+        written = sum(os.path.getsize(os.path.join(f"{root}/f", f)) for f in os.listdir(f"{root}/f") if f.endswith(".safetensors"))
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    queue.put((sum(p.numel() for p in model.parameters()), largest, written, peak, secs))
+
+
+def _run(kind: str, hidden: int, layers: int, root: str) -> tuple:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_measure, args=(kind, hidden, layers, root, queue))
+    proc.start()
+    result = queue.get(timeout=1800)
+    proc.join(timeout=60)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["512x4", "1024x8", "1536x12"], help="hidden x layers")
     args = parser.parse_args()
-    warnings.simplefilter("ignore")
-    print(f"torch {torch.__version__}, CPU; resident memory sampled every 5 ms")
-    print(f"{'model':>12} {'params':>8} {'fp32 MiB':>9} {'ckpt MiB':>9} {'export peak MiB':>16} {'peak/model':>11} {'export s':>9} "
-          f"{'save_pretrained peak MiB':>25} {'s':>6}")
+    mib = 2**20
+    print(f"torch {torch.__version__}, CPU; resident memory sampled every 5 ms, each run in a fresh process")
+    print("| model (hidden x layers) | params | fp32 model MiB | largest fp32 tensor MiB | checkpoint MiB | export peak MiB | "
+          "peak / model | export s | float save_pretrained peak MiB | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         hidden, layers = (int(v) for v in size.split("x"))
-        model = _model(hidden, layers)
-        n = sum(p.numel() for p in model.parameters())
-        ids = torch.randint(0, 8192, (1, 64))
-        tq.calibrate(model, tq.configs.int8(), lambda m, ids=ids: m(ids), progress=False)
         root = tempfile.mkdtemp()
         try:
-            report = {}
-            peak, secs = _peak_during(lambda: report.setdefault("r", tq.export(model, f"{root}/q", dtype=torch.bfloat16)))
-            ref = _model(hidden, layers)
-            ref_peak, ref_secs = _peak_during(lambda ref=ref: ref.save_pretrained(f"{root}/f"))
+            n, largest, written, peak, secs = _run("export", hidden, layers, root)
+            _, _, _, ref_peak, ref_secs = _run("save_pretrained", hidden, layers, root)
         finally:
             shutil.rmtree(root)
-        mib = 2**20
-        print(f"{size:>12} {n / 1e6:>7.1f}M {n * 4 / mib:>9.0f} {report['r'].bytes_written / mib:>9.0f} {peak / mib:>16.1f} "
-              f"{peak / (n * 4):>10.1%} {secs:>9.2f} {ref_peak / mib:>25.1f} {ref_secs:>6.2f}")
+        print(f"| {size} | {n / 1e6:.1f}M | {n * 4 / mib:.0f} | {largest / mib:.0f} | {written / mib:.0f} | {peak / mib:.1f} | "
+              f"{peak / (n * 4):.1%} | {secs:.2f} | {ref_peak / mib:.1f} | {ref_secs:.2f} |")
 
 
 if __name__ == "__main__":

@@ -261,3 +261,19 @@ def test_qat_export_after_training_steps(tmp_path):
         if isinstance(m, nn.Linear) and n != "lm_head":
             with torch.no_grad():
                 _assert_bits(_decompress(path, t, n), m.weight_quantizer(m.weight), n)
+
+
+def test_export_from_dcp_checkpoint_on_meta_model(tmp_path):
+    """A training checkpoint (DCP, as FSDP2 saves it) exports from one process without the model in
+    memory: the model is built on the meta device for its structure, tensors are read one at a time."""
+    recipe = tq.recipes.mxfp8()
+    keep_head = lambda m, fqn: fqn != "lm_head"  # noqa: E731
+    trained = tq.convert(tiny_llama(), recipe, filter_fn=keep_head)
+    tq.distributed.checkpoint.save(trained, None, str(tmp_path / "dcp"))
+    with torch.device("meta"):
+        skeleton = tq.convert(tiny_llama(), recipe, filter_fn=keep_head)
+    tq.export(skeleton, str(tmp_path / "from_dcp"), dtype=torch.bfloat16, checkpoint=str(tmp_path / "dcp"))
+    tq.export(trained, str(tmp_path / "from_model"), dtype=torch.bfloat16)
+    a, b = _read(str(tmp_path / "from_dcp")), _read(str(tmp_path / "from_model"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "from_dcp" / "config.json")) == json.load(open(tmp_path / "from_model" / "config.json"))
