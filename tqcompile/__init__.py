@@ -18,6 +18,7 @@ from tqcompile.quantizers import (
 )
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
+from tqcompile.torch_export import lift_quantizers
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,7 @@ __all__ = [
     "quant_state",
     "restore",
     "distributed",
+    "lift_quantizers",
 ]
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.
