@@ -58,8 +58,8 @@ def _refuse_nested_graphs(gm: torch.fx.GraphModule) -> None:
             if found:
                 raise ValueError(
                     f"lift_quantizers: node {node.name!r} of the subgraph {name!r} takes {found[0]!r}; only the top "
-                    "graph's quantizers can be lifted. Export the model without the higher-order op (no torch.cond, "
-                    "no grad-mode change inside forward: export under torch.no_grad() or with the mode set outside)."
+                    "graph's quantizers can be lifted. A grad-mode change inside forward (torch.no_grad()) exports as a "
+                    "subgraph that program.run_decompositions() inlines: lift its result. torch.cond cannot be lifted."
                 )
 
 
