@@ -8,6 +8,7 @@ graph keeps our ops with the quantizers as constants. Why the pass is needed: tq
 from __future__ import annotations
 
 import re
+import zipfile
 
 import pytest
 import torch
@@ -175,14 +176,9 @@ def test_graph_keeps_our_ops_with_the_quantizers_as_constants():
 def test_tiny_llama_round_trips_with_a_dynamic_batch(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
     torch.manual_seed(0)
     llama = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(0, 128, (2, 16))
@@ -192,6 +188,22 @@ def test_tiny_llama_round_trips_with_a_dynamic_batch(tmp_path):
     program = torch.export.export(model, (ids,), dynamic_shapes=({0: batch},))
     loaded = _save_load(program, tmp_path)
     _assert_same_outputs(model, loaded, [ids, torch.randint(0, 128, (3, 16))])
+
+
+def test_aotinductor_compiles_int8_into_native_code(tmp_path):
+    # Inductor takes our reference kernels as decompositions where it can compile them (FP8/INT8
+    # per tensor or row, CPU: tqcompile/ops/inductor.py), so the package calls no Python op: no
+    # proxy-executor call in the wrapper. (INT4 groups, MX and NVFP4 stay extern kernels, whose
+    # quantizer argument AOTInductor cannot serialize: docs/serving.md.)
+    model = _calibrated(tq.configs.int8())
+    x = torch.randn(8, 64)
+    program = torch.export.export(model, (x,))
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "model.pt2"))
+    with zipfile.ZipFile(path) as archive:
+        wrapper = "".join(archive.read(f).decode() for f in archive.namelist() if f.endswith("wrapper.cpp"))
+    assert "tqcompile.quantize" in wrapper and "proxy_executor_call_function" not in wrapper
+    with torch.no_grad():
+        assert torch.equal(torch._inductor.aoti_load_package(path)(x), model(x))
 
 
 # --- bad input ----------------------------------------------------------------------------------
