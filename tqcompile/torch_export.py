@@ -24,8 +24,9 @@ import copy
 import torch
 
 # Private torch API, the only way to ask whether a value is a registered value opaque type
-# (quantizers, recipes, enums): torch._library.opaque_object, checked on torch 2.13.
-from torch._library.opaque_object import get_opaque_type_name, is_opaque_value_type
+# (quantizers, recipes, enums), checked on torch 2.13. Read through the module at call time, so
+# that importing tqcompile never depends on which of its helpers an older torch has.
+from torch._library import opaque_object
 from torch.export import ExportedProgram
 from torch.export.graph_signature import CustomObjArgument, InputKind, InputSpec
 from torch.utils import _pytree as pytree
@@ -38,13 +39,15 @@ __all__ = ["lift_quantizers"]
 def _archive_stores_opaque_objects() -> bool:
     # The pt2 writer that pickles opaque constants names their files with this prefix; a torch
     # without it raises "Unsupported constant type" on save (see the module docstring).
-    from torch.export.pt2_archive import constants
-
-    return hasattr(constants, "OPAQUE_OBJ_FILENAME_PREFIX")
+    try:
+        from torch.export.pt2_archive import constants
+    except ImportError:
+        return False
+    return hasattr(constants, "OPAQUE_OBJ_FILENAME_PREFIX") and hasattr(opaque_object, "is_opaque_value_type")
 
 
 def _is_lifted(value: object) -> bool:
-    return is_opaque_value_type(type(value))
+    return opaque_object.is_opaque_value_type(type(value))
 
 
 def _refuse_nested_graphs(gm: torch.fx.GraphModule) -> None:
@@ -127,7 +130,7 @@ def lift_quantizers(program: ExportedProgram) -> ExportedProgram:
             while name in taken:
                 name += "_"
             taken.add(name)
-            class_fqn = get_opaque_type_name(type(value))
+            class_fqn = opaque_object.get_opaque_type_name(type(value))
             with graph.inserting_before(anchor):
                 node = graph.placeholder(name)
             node.meta["val"] = CustomObjArgument(name=name, class_fqn=class_fqn)
