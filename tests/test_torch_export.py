@@ -8,11 +8,11 @@ graph keeps our ops with the quantizers as constants. Why the pass is needed: tq
 from __future__ import annotations
 
 import re
-import zipfile
 
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_models import tiny_hf_moe
 from torch import nn
 from torch.export import Dim
 
@@ -190,20 +190,15 @@ def test_tiny_llama_round_trips_with_a_dynamic_batch(tmp_path):
     _assert_same_outputs(model, loaded, [ids, torch.randint(0, 128, (3, 16))])
 
 
-def test_aotinductor_compiles_int8_into_native_code(tmp_path):
-    # Inductor takes our reference kernels as decompositions where it can compile them (FP8/INT8
-    # per tensor or row, CPU: tqcompile/ops/inductor.py), so the package calls no Python op: no
-    # proxy-executor call in the wrapper. (INT4 groups, MX and NVFP4 stay extern kernels, whose
-    # quantizer argument AOTInductor cannot serialize: docs/serving.md.)
-    model = _calibrated(tq.configs.int8())
-    x = torch.randn(8, 64)
-    program = torch.export.export(model, (x,))
-    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "model.pt2"))
-    with zipfile.ZipFile(path) as archive:
-        wrapper = "".join(archive.read(f).decode() for f in archive.namelist() if f.endswith("wrapper.cpp"))
-    assert "tqcompile.quantize" in wrapper and "proxy_executor_call_function" not in wrapper
-    with torch.no_grad():
-        assert torch.equal(torch._inductor.aoti_load_package(path)(x), model(x))
+def test_mixtral_with_quantized_experts_round_trips(tmp_path):
+    pytest.importorskip("transformers")
+    mixtral = tiny_hf_moe("mixtral", layers=1)
+    ids = torch.randint(0, 128, (2, 16))
+    tq.calibrate(mixtral, tq.configs.int8(), lambda m: m(ids), progress=False)
+    model = Logits(mixtral)
+    loaded = _save_load(torch.export.export(model, (ids,)), tmp_path)
+    assert "tqcompile.grouped_quantize.default" in _tq_ops(loaded)
+    _assert_same_outputs(model, loaded, [ids])
 
 
 # --- bad input ----------------------------------------------------------------------------------
