@@ -132,10 +132,11 @@ def test_external_amax_round_trip_and_saturation(case, log2_factor, seed):
     over = v.abs() > fmax
     assert torch.equal(payload_values(data, q)[over], torch.sign(v[over]).float() * fmax)
     if not _is_hadamard(q):
-        # ±max * scale_inv, in the dequantizer's own fp32 order (NVFP4: q * s_blk / s_enc).
+        # ±max * scale_inv, in the dequantizer's own fp32 order (NVFP4: q * (s_blk / s_enc), the
+        # order compressed-tensors' decompressor uses).
         if isinstance(q, NVFP4Quantizer):
             s_enc = torch.div(Format.E4M3.max_value * Format.E2M1.max_value, amax.clamp(min=q.amax_epsilon))
-            sat = torch.sign(v).float() * fmax * _per_element(scale_inv.float(), q, x.shape) / s_enc
+            sat = torch.sign(v).float() * fmax * _per_element(scale_inv.float() / s_enc, q, x.shape)
         else:
             sat = torch.sign(v).float() * fmax * scale_inv
         assert torch.equal(out[over], sat[over])

@@ -328,7 +328,10 @@ def dequantize(
         out = vals * _expand(_e8m0_decode(scale_inv), shape, q.layout())
     elif isinstance(q, NVFP4Quantizer):
         s_enc = torch.div(_NVFP4_ENC, amax.float().clamp(min=q.amax_epsilon))  # rounded once, as in _scale_from_amax
-        out = e2m1_decode(_unpack_nibbles(data)) * _expand(scale_inv.float(), shape, q.layout()) / s_enc
+        # The block's effective scale first, then one product: what compressed-tensors' decompressor
+        # and the engines that load its checkpoints compute (`q * (weight_scale / weight_global_scale)`),
+        # so an exported NVFP4 weight dequantizes there bit for bit as here.
+        out = e2m1_decode(_unpack_nibbles(data)) * (_expand(scale_inv.float(), shape, q.layout()) / s_enc)
         if q.hadamard:
             out = _hadamard(out, q.hadamard_seed, inverse=True)
     else:
