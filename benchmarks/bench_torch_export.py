@@ -25,13 +25,7 @@ from torch import nn
 
 import tqcompile as tq
 
-PTQ = {
-    "int8": tq.configs.int8,
-    "fp8": tq.configs.fp8,
-    "int4_weight_only_32": lambda: tq.configs.int4_weight_only(32),
-    "mxfp8": tq.configs.mxfp8,
-    "nvfp4": tq.configs.nvfp4,
-}
+PTQ = ("int8", "fp8", "int4_weight_only", "mxfp8", "nvfp4")  # tq.configs presets; INT4 in groups of 32
 RECIPES = ("fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4")
 
 
@@ -39,7 +33,8 @@ def build(kind: str, name: str, width: int) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)).eval()
     if kind == "ptq":
-        return tq.calibrate(model, PTQ[name](), lambda m: m(torch.randn(64, width)), progress=False)
+        config = tq.configs.int4_weight_only(32) if name == "int4_weight_only" else getattr(tq.configs, name)()
+        return tq.calibrate(model, config, lambda m: m(torch.randn(64, width)), progress=False)
     return tq.convert(model, tq.recipes.get(name))
 
 
