@@ -139,13 +139,17 @@ def test_training_recipe_export_decompresses_bit_for_bit(tmp_path, recipe):
         assert all("activations 16-bit" in r.scheme for r in report.rows)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_moe_experts_export_per_expert_names_bit_for_bit(tmp_path, kind):
+@pytest.mark.parametrize("kind,mode", [("mixtral", "calibrate"), ("qwen3_moe", "calibrate"), ("mixtral", "convert")])
+def test_moe_experts_export_per_expert_names_bit_for_bit(tmp_path, kind, mode):
     from moe_models import tiny_hf_moe
 
     model = tiny_hf_moe(kind, hidden=64, intermediate=64, layers=1, num_experts=4).eval()
-    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
-    tq.calibrate(model, tq.configs.int8(), lambda m: m(ids), progress=False)
+    if mode == "calibrate":
+        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(ids), progress=False)
+    else:
+        with pytest.warns(tq.nn.ConversionWarning, match="MoE router"):  # routers stay in high precision, said once
+            tq.convert(model, tq.recipes.mxfp8(), filter_fn=lambda m, fqn: fqn != "lm_head")
     path = str(tmp_path / "ckpt")
     tq.export(model, path)
     tensors = _read(path)
@@ -153,17 +157,23 @@ def test_moe_experts_export_per_expert_names_bit_for_bit(tmp_path, kind):
     experts_name, experts = next((n, m) for n, m in model.named_modules() if n.endswith("experts"))
     disk = experts_name.replace(".mlp.", ".block_sparse_moe.") if kind == "mixtral" else experts_name
     with torch.no_grad():
-        gate_up = experts.gate_up_proj_gemm.weight_quantizer(experts.gate_up_proj_gemm.weight)
-        down = experts.down_proj_gemm.weight_quantizer(experts.down_proj_gemm.weight)
+        if mode == "calibrate":
+            gate_up = experts.gate_up_proj_gemm.weight_quantizer(experts.gate_up_proj_gemm.weight)
+            down = experts.down_proj_gemm.weight_quantizer(experts.down_proj_gemm.weight)
+        else:  # each expert's weight as training's grouped GEMM quantizes it
+            wq = tq.recipes.mxfp8().fprop_weight
+            gate_up, down = (torch.stack([tq.quantize(w[e], wq).dequantize() for e in range(4)]) for w in (experts.gate_up_proj, experts.down_proj))
     inter = gate_up.shape[1] // 2
     for e in range(4):
         for leaf, want in zip(names, (gate_up[e, :inter], gate_up[e, inter:], down[e])):
             prefix = f"{disk}.{e}.{leaf}"
             _assert_bits(_decompress(path, tensors, prefix), want, prefix)
-            assert tensors[f"{prefix}.input_scale"].shape == (1,)
+            assert (f"{prefix}.input_scale" in tensors) == (mode == "calibrate")
     assert not any(".gate_up_proj" in k for k in tensors)  # the fused name never reaches the checkpoint
-    # Shared input scale for gate and up (one input): what vLLM's fused w13 requires.
-    assert torch.equal(tensors[f"{disk}.0.{names[0]}.input_scale"], tensors[f"{disk}.0.{names[1]}.input_scale"])
+    if mode == "calibrate":
+        # Shared input scale for gate and up (one input): what vLLM's fused w13 requires.
+        assert tensors[f"{disk}.0.{names[0]}.input_scale"].shape == (1,)
+        assert torch.equal(tensors[f"{disk}.0.{names[0]}.input_scale"], tensors[f"{disk}.0.{names[1]}.input_scale"])
 
 
 def test_sharded_files_and_index(tmp_path):
