@@ -14,7 +14,7 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.calibration import QuantRule
 from tqcompile.configs import GEMM_LAYERS, default_disabled
-from tqcompile.export import ExportError
+from tqcompile.export import ExportError, ExportWarning
 from tqcompile.export.safetensors_io import load_tensor, read_safetensors_header
 from tqcompile.formats import Format
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer
@@ -335,3 +335,16 @@ def test_same_layout_as_llmcompressor(tmp_path, scheme):
             assert {f: a.get(f) for f in fields} == {f: b.get(f) for f in fields}, part
     for key in ("format", "ignore", "quant_method", "quantization_status"):
         assert qc_ours[key] == qc_theirs[key], key
+
+
+def test_fused_layers_quantized_differently_warn(tmp_path):
+    """k_proj/v_proj left in high precision (64 rows do not fit 128x128 blocks) beside a quantized
+    q_proj: vLLM refuses such a checkpoint, so the export says so, naming the layers."""
+    model = tiny_llama()
+    model.config.num_key_value_heads = 2
+    model = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    block = _config(Float8Quantizer(granularity=Granularity.BLOCKWISE_2D), None)
+    with pytest.warns(tq.calibration.CalibrationWarning):
+        tq.calibrate(model, block, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
+    with pytest.warns(ExportWarning, match=r"self_attn.q_proj: naive-quantized .*self_attn.k_proj: high precision"):
+        tq.export(model, str(tmp_path / "x"))
