@@ -348,3 +348,124 @@ def test_fused_layers_quantized_differently_warn(tmp_path):
         tq.calibrate(model, block, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
     with pytest.warns(ExportWarning, match=r"self_attn.q_proj: naive-quantized .*self_attn.k_proj: high precision"):
         tq.export(model, str(tmp_path / "x"))
+
+
+def _moe(kind: str = "qwen3_moe", layers: int = 2) -> nn.Module:
+    from moe_models import tiny_hf_moe
+
+    return tiny_hf_moe(kind, hidden=64, intermediate=64, layers=layers, num_experts=4).eval()
+
+
+def _moe_ids() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+
+
+def test_moe_w4a16_experts(tmp_path):
+    """Packed INT4 experts: per expert `weight_shape` and payload, decompressed bit for bit."""
+    model = _moe(layers=1)
+    tq.calibrate(model, tq.configs.int4_weight_only(32), lambda m: m(_moe_ids()), progress=False)
+    path = str(tmp_path / "ckpt")
+    tq.export(model, path)
+    t = _read(path)
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        down = experts.down_proj_gemm.weight_quantizer(experts.down_proj_gemm.weight)
+    for e in range(4):
+        prefix = f"model.layers.0.mlp.experts.{e}.down_proj"
+        assert t[f"{prefix}.weight_shape"].tolist() == [64, 64]
+        _assert_bits(_decompress(path, t, prefix), down[e], prefix)
+
+
+@pytest.mark.parametrize("format", ["compressed-tensors", "modelopt"])
+def test_experts_and_routers_kept_in_high_precision_are_ignored_by_name(tmp_path, format):
+    """Experts left in high precision and routers (not nn.Linear in transformers 5) are listed under
+    the names the engines look up: compressed-tensors per expert, ModelOpt by experts module."""
+    model = _moe(layers=2)
+    cfg = tq.configs.fp8().with_rules(QuantRule.disable("*.experts"))
+    tq.calibrate(model, cfg, lambda m: m(_moe_ids()), progress=False)
+    path = str(tmp_path / "ckpt")
+    report = tq.export(model, path, format=format)
+    ignored = set(report.ignored)
+    assert {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} <= ignored
+    if format == "modelopt":
+        assert ignored == {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    else:
+        per_expert = {f"model.layers.{layer}.mlp.experts.{e}.{p}" for layer in range(2) for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+        assert ignored == {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} | per_expert
+
+
+def test_experts_gemms_quantized_differently_refused(tmp_path):
+    model = _moe(layers=1)
+    cfg = tq.configs.fp8().with_rules(QuantRule.disable("*.experts.down_proj_gemm"))
+    tq.calibrate(model, cfg, lambda m: m(_moe_ids()), progress=False)
+    with pytest.raises(ExportError, match=r"experts module 'model.layers.0.mlp.experts' are quantized differently.*down_proj_gemm: high precision"):
+        tq.export(model, str(tmp_path / "x"))
+
+
+def test_quantized_lm_head_is_a_target(tmp_path):
+    """vLLM builds lm_head as a ParallelLMHead, which the `Linear` target does not match: named."""
+    model = tiny_llama()
+    fp8_row = Float8Quantizer(granularity=Granularity.ROWWISE)
+    cfg = tq.calibration.QuantConfig((QuantRule(module_types=GEMM_LAYERS, input=fp8_row, weight=fp8_row, must_match=False),))
+    tq.calibrate(model, cfg, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
+    tq.export(model, str(tmp_path / "ct"))
+    qc = json.load(open(tmp_path / "ct" / "config.json"))["quantization_config"]
+    assert qc["config_groups"]["group_0"]["targets"] == ["Linear", "lm_head"] and qc["ignore"] == []
+    with pytest.raises(ExportError, match=r"\['lm_head'\] quantized: vLLM's ModelOpt loader keeps the LM head in high precision"):
+        tq.export(model, str(tmp_path / "mo"), format="modelopt")
+
+
+def test_presets_keep_qwen2_moe_shared_expert_gate_in_high_precision():
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.warns(tq.calibration.CalibrationWarning, match="received no tokens"):  # 4 tokens leave experts unrouted
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
+    gate = model.model.layers[0].mlp.shared_expert_gate
+    assert not gate.weight_quantizer.enabled and model.model.layers[0].mlp.shared_expert.up_proj.weight_quantizer.enabled
+
+
+def test_deepseek_mla_nvfp4_shares_the_fused_global_scale(tmp_path):
+    """vLLM fuses MLA's q_a_proj and kv_a_proj_with_mqa (fused_qkv_a_proj) under one NVFP4 global scale."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    tq.calibrate(model, tq.configs.nvfp4(), lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
+    tq.export(model, str(tmp_path / "x"))
+    t = _read(str(tmp_path / "x"))
+    attn = "model.layers.0.self_attn"
+    a, b = t[f"{attn}.q_a_proj.weight_global_scale"], t[f"{attn}.kv_a_proj_with_mqa.weight_global_scale"]
+    assert torch.equal(a, b)
+    own = [model.get_submodule(f"{attn}.{n}").weight_quantizer.amax for n in ("q_a_proj", "kv_a_proj_with_mqa")]
+    assert not torch.equal(own[0], own[1])  # different before the export shared them
+
+
+def test_overwrite_keeps_the_previous_checkpoint_until_the_new_one_is_written(tmp_path):
+    model = _calibrated("int8_static")
+    path = str(tmp_path / "ckpt")
+    tq.export(model, path, max_shard_size="40KB")
+    before = _read(path)
+    model.model.layers[0].mlp.up_proj.input_quantizer.amax = torch.tensor(float("nan"))
+    with pytest.raises(ExportError, match="non-finite"):
+        tq.export(model, path, overwrite=True)
+    after = _read(path)  # the old shards, all of them, with their index
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    model.model.layers[0].mlp.up_proj.input_quantizer.amax = torch.tensor(1.0)
+    tq.export(model, path, overwrite=True)  # one shard now: the old shards and index are gone
+    assert sorted(f for f in os.listdir(path) if "safetensors" in f) == ["model.safetensors"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError, match="cannot create the directory"):
+        tq.export(model, str(tmp_path / "file" / "sub"))
+
+
+def test_empty_tensor_in_an_hf_model(tmp_path):
+    model = _calibrated("int8_static")
+    model.model.register_buffer("empty", torch.zeros(0))
+    tq.export(model, str(tmp_path / "x"))
+    assert _read(str(tmp_path / "x"))["model.empty"].shape == (0,)

@@ -14,8 +14,8 @@ users expect left in high precision:
   and ``score`` (decoder models' ``*ForSequenceClassification``, e.g. ``LlamaForSequenceClassification.score``),
   with every module under a ``classifier`` (RoBERTa's head is a module of its own:
   ``classifier.dense``, ``classifier.out_proj``);
-- MoE routers: names that are, or end in, ``router`` or ``gate`` (e.g. ``block_sparse_moe.gate``;
-  not ``mlp.gate_proj``).
+- MoE routers: names that are, or end in, ``router``, ``gate`` or ``shared_expert_gate`` (e.g.
+  ``block_sparse_moe.gate``, Qwen2-MoE's ``mlp.shared_expert_gate``; not ``mlp.gate_proj``).
 
 Those default rules carry ``must_match=False``: a model without a head or router gets no warning.
 Extend a preset with `QuantConfig.with_rules(...)`; a later rule overrides.
@@ -52,7 +52,9 @@ HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier", "score"
 # Heads Hugging Face builds as modules of their own (RobertaClassificationHead and some 20 more): their
 # layers too. Only `classifier`: `output` is also the name of every BERT layer's output block.
 HEAD_MODULES = ("classifier",)
-ROUTER_NAMES = ("router", "gate")
+# `shared_expert_gate`: Qwen2-MoE / Qwen3-Next gate the shared expert with a (hidden -> 1) Linear that
+# vLLM builds in high precision.
+ROUTER_NAMES = ("router", "gate", "shared_expert_gate")
 
 
 def default_disabled() -> tuple[QuantRule, ...]:

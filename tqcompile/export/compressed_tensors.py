@@ -28,7 +28,7 @@ from tqcompile.formats import Format
 from tqcompile.kernels.reference import _unpack_nibbles
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
-__all__ = ["Scheme", "scheme_of", "layer_tensors", "quantization_config", "extra_files", "RowKind"]
+__all__ = ["Scheme", "scheme_of", "layer_tensors", "quantization_config", "extra_files", "check_targets", "RowKind"]
 
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6, as in the reference kernels
 
@@ -202,7 +202,8 @@ def layer_tensors(unit: ExportUnit, scheme: Scheme, qw: QuantizedWeight, out_row
         bits = q.element_format().bits
         out["weight_packed"] = (_pack_int32(_int_values(qw.data, q), bits), "rows")
         out["weight_scale"] = (_scale_tensor(qw.scale_inv, q, e), _scale_rows(q))
-        out["weight_shape"] = (torch.tensor([out_rows, in_features], dtype=torch.int64), "shape")
+        shape = [qw.data.shape[0], out_rows, in_features] if e else [out_rows, in_features]
+        out["weight_shape"] = (torch.tensor(shape, dtype=torch.int64), "shape")
     elif scheme.format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
         out["weight_packed"] = (qw.data, "rows")
         scale = qw.scale_inv.view(torch.uint8) if isinstance(q, MXQuantizer) else _expand_2d_tiles(qw.scale_inv, q)
@@ -233,14 +234,20 @@ def _scale_rows(q: Quantizer) -> RowKind:
     return ("blocks", block) if gran is Granularity.BLOCKWISE_2D else "rows"
 
 
-def quantization_config(groups: dict[Scheme, list[str]], ignore: list[str]) -> dict:
+# How `ignore` names experts kept in high precision: per expert, as compressed-tensors itself does
+# (vLLM looks up ``<experts>.0.<gate|up|down>_proj`` in it, by exact name).
+IGNORE_EXPERTS = "per_expert"
+
+
+def quantization_config(groups: dict[Scheme, list[str]], ignore: list[str], extra_targets: list[str] = ()) -> dict:
     """config.json's ``quantization_config``: one config group per scheme. A single scheme targets
-    ``Linear`` (every linear layer not in `ignore`: what vLLM's MoE and fused layers expect);
-    several name their layers."""
+    ``Linear`` (every linear layer not in `ignore`: what vLLM's MoE and fused layers expect) and, by
+    name, the quantized layers an engine does not build as a Linear (`extra_targets`: a quantized
+    ``lm_head``); several schemes name their layers."""
     formats = {s.format for s in groups}
     config_groups = {}
     for i, (scheme, names) in enumerate(groups.items()):
-        targets = ["Linear"] if len(groups) == 1 else sorted(names)
+        targets = ["Linear", *sorted(extra_targets)] if len(groups) == 1 else sorted(names)
         config_groups[f"group_{i}"] = scheme.to_dict(targets)
     return {
         "quant_method": "compressed-tensors",
@@ -256,3 +263,7 @@ def quantization_config(groups: dict[Scheme, list[str]], ignore: list[str]) -> d
 def extra_files(groups: dict, ignore: list[str]) -> dict[str, dict]:
     """compressed-tensors keeps everything in config.json."""
     return {}
+
+
+def check_targets(extra_targets: list[str]) -> None:
+    """compressed-tensors names such layers in its targets (`quantization_config`)."""

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import warnings
 
 import torch
@@ -16,7 +17,7 @@ from tqcompile.calibration.modules import canonical_modules
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.names import Placement, is_hf_model, placements
-from tqcompile.export.safetensors_io import ShardedWriter, parse_size
+from tqcompile.export.safetensors_io import SPOOL_PREFIX, ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit, weight_tensor_amax
 from tqcompile.nn.histories import HISTORY_PREFIX
 from tqcompile.quantizers import NVFP4Quantizer
@@ -26,7 +27,16 @@ __all__ = ["export", "ExportReport", "ExportRow", "ExportWarning", "FORMATS"]
 FORMATS = {"compressed-tensors": ct, "modelopt": mo}
 # Weights an engine fuses into one GEMM (vLLM's packed modules): an NVFP4 global scale is shared
 # across them, so each is exported with the max of their amaxes.
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+# (The families of vLLM's `packed_modules_mapping`: Llama-style, DeepSeek MLA, BERT, torchtitan.)
+FUSED_SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("w1", "w3"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("query", "key", "value"),
+    ("wq", "wk", "wv"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +70,32 @@ class ExportReport:
 
 
 def _check_path(path: str, overwrite: bool) -> None:
+    """Refuse a path that holds something else, and create the directory. A previous checkpoint
+    there (with `overwrite`) is removed only when the new one is complete (`_clear_previous`)."""
     if os.path.isfile(path):
         raise ExportError(f"tq.export: path {path!r} is a file; pass a directory (it is created if missing)")
-    if os.path.isdir(path) and os.listdir(path):
-        if not overwrite:
-            raise ExportError(
-                f"tq.export: directory {path!r} exists and is not empty ({len(os.listdir(path))} entries); "
-                "pass an empty or new directory, or overwrite=True to replace its checkpoint files"
-            )
-        for name in os.listdir(path):  # the previous checkpoint's shards, so none is left stale
-            if name.endswith(".safetensors") or name == "model.safetensors.index.json":
-                os.remove(os.path.join(path, name))
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise ExportError(
+            f"tq.export: directory {path!r} exists and is not empty ({len(os.listdir(path))} entries); "
+            "pass an empty or new directory, or overwrite=True to replace its checkpoint files"
+        )
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"tq.export: cannot create the directory {path!r}: {e}") from e
+
+
+_CHECKPOINT_FILES = ("model.safetensors.index.json", "hf_quant_config.json")
+
+
+def _clear_previous(path: str, keep: set[str]) -> None:
+    """Remove a previous checkpoint's files (shards, index, ModelOpt's config, spools of an
+    interrupted export), all but `keep`: called once the new checkpoint's data is complete."""
+    for name in os.listdir(path):
+        if name in keep:
+            continue
+        if name.endswith(".safetensors") or name in _CHECKPOINT_FILES or name.startswith(SPOOL_PREFIX):
+            os.remove(os.path.join(path, name))
 
 
 def _sharded_device(model: nn.Module) -> torch.device | None:
@@ -151,11 +176,11 @@ def _check_fused(model: nn.Module, schemes: dict) -> None:
     mixed = []
     for name in sorted(linears):
         parent, _, leaf = name.rpartition(".")
-        fam = next((f for f in FUSED_SIBLINGS if leaf == f[0]), None)
-        members = [f"{parent}.{x}" if parent else x for x in fam] if fam else []
-        members = [m for m in members if m in linears]
-        if len(members) > 1 and len({schemes.get(m) for m in members}) > 1:
-            mixed.append(", ".join(f"{m}: {schemes[m].describe() if m in schemes else 'high precision'}" for m in members))
+        for fam in (f for f in FUSED_SIBLINGS if leaf == f[0]):
+            members = [m for m in (f"{parent}.{x}" if parent else x for x in fam) if m in linears]
+            if len(members) > 1 and len({schemes.get(m) for m in members}) > 1:
+                mixed.append(", ".join(f"{m}: {schemes[m].describe() if m in schemes else 'high precision'}" for m in members))
+                break
     if mixed:
         warnings.warn(
             "tq.export: layers that vLLM and TensorRT-LLM fuse into one GEMM are quantized differently, which they refuse "
@@ -164,6 +189,29 @@ def _check_fused(model: nn.Module, schemes: dict) -> None:
             ExportWarning,
             stacklevel=3,
         )
+
+
+def _check_experts(model: nn.Module, schemes: dict) -> None:
+    """An experts module's GEMMs all quantized with one scheme, or all kept in high precision:
+    the engines run gate, up and down as one fused MoE with one scheme."""
+    from tqcompile.nn.experts import experts_layout
+
+    for name, module in canonical_modules(model):
+        layout = experts_layout(module)
+        if layout is None:
+            continue
+        units = [f"{name}.{g.weight}_gemm" for g in layout.gemms]
+        if len({schemes.get(u) for u in units}) > 1:
+            got = ", ".join(f"{u}: {schemes[u].describe() if u in schemes else 'high precision'}" for u in units)
+            raise ExportError(
+                f"tq.export: the GEMMs of experts module {name!r} are quantized differently ({got}); serving engines run "
+                "an MoE's experts with one scheme: quantize all of its GEMMs alike, or keep them all in high precision"
+            )
+
+
+def _extra_targets(model: nn.Module, units: list[ExportUnit]) -> list[str]:
+    """Quantized layers an engine builds as something other than a Linear: the LM head."""
+    return [u.name for u in units if u.name.rpartition(".")[2] == "lm_head"]
 
 
 def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, read) -> dict[str, torch.Tensor]:
@@ -184,9 +232,11 @@ def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, rea
 
 
 def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -> torch.Tensor:
+    if kind == "shape":
+        return t  # rebuilt for each placement by the caller
     if experts and p.expert is not None:
         t = t[p.expert]
-    if p.rows is None or kind in ("tensor", "shape"):
+    if p.rows is None or kind == "tensor":
         return t
     if kind == "rows":
         return t[p.rows]
@@ -271,6 +321,7 @@ def export(
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
+    fmt.check_targets(_extra_targets(model, units))
     _check_fused(model, schemes)
     if checkpoint is None:
         writes = _writer_rank(model, path, overwrite)
@@ -278,14 +329,13 @@ def export(
         _check_path(path, overwrite)
         writes = True
     read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
-    if writes:
-        os.makedirs(path, exist_ok=True)
     state = _drop_tied(model, _canonical_state(model), units)
     lost = [u.weight_key for u in units if u.weight_key not in state]
     if lost:  # never write a quantized layer as float
         raise ExportError(f"tq.export: cannot find the weights {lost} among the model's parameters")
     model = _unwrap(model)
     where = placements(model, {k: v.shape for k, v in state.items()})
+    _check_experts(model, schemes)
     shared = _shared_global_amax(units, schemes, state, read)
     by_key = {u.weight_key: u for u in units}
     writer = ShardedWriter(path, limit) if writes else None
@@ -298,15 +348,21 @@ def export(
             else:
                 run.quantized_weight(key, value, unit)
             run.agree()
-        ignored = _ignored(model, where, run.quantized)
-        if writer is None:
-            return None
-        files = writer.finish()
+        ignored = _ignored(model, where, run.quantized, fmt.IGNORE_EXPERTS)
+        targets = _extra_targets(model, units)
+
+        def finish() -> list[str]:
+            files = writer.finish(before_rename=lambda names: _clear_previous(path, set(names)))
+            _write_configs(model, path, fmt, run.groups, ignored, targets, dtype)
+            return files
+
+        files = run.final(finish)  # every rank learns whether rank 0 wrote the files
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
-    _write_configs(model, path, fmt, run.groups, ignored, dtype)
+    if writer is None:
+        return None
     return ExportReport(path, format, run.rows, ignored, files, writer.total)
 
 
@@ -358,6 +414,17 @@ class _Pass:
                     t = torch.tensor([p.rows.numel(), w.shape[-1]], dtype=torch.int64)
                 self.emit(f"{prefix}.{local}", _split(t, kind, p, unit.experts, unit.name))
         self.rows.append(ExportRow(unit.name, scheme.describe(), unit.source, len(self.where[key])))
+
+    def final(self, fn):
+        """Run `fn` on the writing rank (its failure captured), then `agree`: every rank returns or raises."""
+        result = None
+        if self.writer is not None and self.error is None:
+            try:
+                result = fn()
+            except Exception as e:
+                self.error = e
+        self.agree()
+        return result
 
     def agree(self) -> None:
         failed = self.error is not None
@@ -415,26 +482,32 @@ def _drop_tied(model: nn.Module, state: dict, units: list[ExportUnit]) -> dict:
     return out
 
 
-def _ignored(model: nn.Module, where: dict, quantized: set[str]) -> list[str]:
-    """Checkpoint names of the linear layers (and experts modules) kept in high precision."""
+def _ignored(model: nn.Module, where: dict, quantized: set[str], experts_as: str) -> list[str]:
+    """Checkpoint names of the layers kept in high precision that an engine builds as linear
+    layers: every Linear, any other module holding a 2-D weight (MoE routers such as transformers'
+    `MixtralTopKRouter`), and experts modules (`experts_as` "per_expert": each expert's names, as
+    compressed-tensors lists them; "module": the experts module, as ModelOpt does)."""
     from tqcompile.nn.experts import experts_layout
 
     names = set()
     for name, module in canonical_modules(model):
-        if isinstance(module, nn.Linear) and f"{name}.weight" in where:
-            names.update(_prefix(p.name) for p in where[f"{name}.weight"])
+        weight = module._parameters.get("weight")
+        if isinstance(module, nn.Linear) or (weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)):
+            names.update(_prefix(p.name) for p in where.get(f"{name}.weight", ()))
         layout = experts_layout(module)
-        if layout is not None:
-            for g in layout.gemms:
-                for p in where.get(f"{name}.{g.weight}", ()):
-                    if _prefix(p.name) not in quantized:
-                        # vLLM matches an experts module by its own name: ``...experts``.
-                        names.add(p.name.split(f".{p.expert}.")[0] if p.expert is not None else name)
+        for g in () if layout is None else layout.gemms:
+            for p in where.get(f"{name}.{g.weight}", ()):
+                if _prefix(p.name) in quantized:
+                    continue
+                if experts_as == "per_expert" or p.expert is None:
+                    names.add(_prefix(p.name))
+                else:  # "model.layers.1.mlp.experts.1.gate_proj.weight" -> "model.layers.1.mlp.experts"
+                    names.add(re.sub(rf"\.{p.expert}\.[^.]+\.weight$", "", p.name))
     return sorted(n for n in names if n not in quantized)
 
 
-def _write_configs(model: nn.Module, path: str, fmt, groups: dict, ignored: list[str], dtype) -> None:
-    qconfig = fmt.quantization_config(groups, ignored)
+def _write_configs(model: nn.Module, path: str, fmt, groups: dict, ignored: list[str], targets: list[str], dtype) -> None:
+    qconfig = fmt.quantization_config(groups, ignored, targets)
     for name, content in fmt.extra_files(groups, ignored).items():
         with open(os.path.join(path, name), "w") as f:
             json.dump(content, f, indent=2)

@@ -31,7 +31,7 @@ from tqcompile.export.units import ExportError, ExportUnit, QuantizedWeight
 from tqcompile.formats import Format
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer
 
-__all__ = ["Scheme", "scheme_of", "layer_tensors", "quantization_config", "extra_files", "PRODUCER"]
+__all__ = ["Scheme", "scheme_of", "layer_tensors", "quantization_config", "extra_files", "check_targets", "PRODUCER"]
 
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the ModelOpt release whose format this writes
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value
@@ -124,10 +124,24 @@ def _quantization(groups: dict, ignore: list[str]) -> dict:
     return q
 
 
-def quantization_config(groups: dict, ignore: list[str]) -> dict:
+# How `exclude_modules` names experts kept in high precision: the experts module (vLLM matches it as a prefix).
+IGNORE_EXPERTS = "module"
+
+
+def check_targets(extra_targets: list[str]) -> None:
+    """A quantized layer that vLLM's ModelOpt loader does not build as a linear layer (an LM head)."""
+    if extra_targets:
+        raise ExportError(
+            f"tq.export: {sorted(extra_targets)} quantized: vLLM's ModelOpt loader keeps the LM head in high precision; "
+            "keep it so (the presets do), or use format='compressed-tensors', which names it in its targets"
+        )
+
+
+def quantization_config(groups: dict, ignore: list[str], extra_targets: list[str] = ()) -> dict:
     """config.json's ``quantization_config`` (the same content as ``hf_quant_config.json``)."""
     return {"quant_method": "modelopt", "producer": dict(PRODUCER), "quantization": _quantization(groups, ignore)}
 
 
 def extra_files(groups: dict, ignore: list[str]) -> dict[str, dict]:
+    """``hf_quant_config.json``: what ModelOpt's exporter writes beside config.json."""
     return {"hf_quant_config.json": {"producer": dict(PRODUCER), "quantization": _quantization(groups, ignore)}}

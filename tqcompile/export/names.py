@@ -64,18 +64,18 @@ def placements(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, lis
 
     # Every key's probe holds its own range of ids (exact in float64), so each output tensor's
     # first entry says which key it came from, and the rest which expert and rows.
-    keys, bases, probes, base = list(shapes), [], {}, 0
+    # A tensor with no elements has no entries to trace: it keeps its name.
+    out: dict[str, list[Placement]] = {k: [Placement(k)] for k, s in shapes.items() if torch.Size(s).numel() == 0}
+    keys, bases, probes, base = [k for k in shapes if k not in out], [], {}, 0
     for k in keys:
         bases.append(base)
         probes[k] = _probe(shapes[k], base)
         base += _rows(shapes[k])
     back = revert_weight_conversion(model, dict(probes))
-    out: dict[str, list[Placement]] = {k: [] for k in keys}
+    out.update({k: [] for k in keys})
     for name, t in back.items():
         ids = t.reshape(-1).to(torch.int64)
-        i = max(0, bisect.bisect_right(bases, int(ids[0])) - 1) if ids.numel() else None
-        if i is None:
-            raise ValueError(f"tq.export: transformers writes an empty tensor {name!r}; cannot place it")
+        i = max(0, bisect.bisect_right(bases, int(ids[0])) - 1)
         src, shape = keys[i], shapes[keys[i]]
         local = ids - bases[i]
         if len(shape) < 2 or t.dim() == len(shape) and tuple(t.shape[:-1]) == tuple(shape[:-1]):

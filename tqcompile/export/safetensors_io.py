@@ -15,7 +15,9 @@ import struct
 
 import torch
 
-__all__ = ["ShardedWriter", "parse_size", "read_safetensors_header", "load_tensor"]
+__all__ = ["ShardedWriter", "parse_size", "read_safetensors_header", "load_tensor", "SPOOL_PREFIX"]
+
+SPOOL_PREFIX = ".tq-export-spool-"  # a shard being written (hidden; removed when it is renamed)
 
 _DTYPES = {
     torch.float64: "F64",
@@ -66,7 +68,7 @@ class ShardedWriter:
         self._spool = None
 
     def _open(self) -> None:
-        path = os.path.join(self.directory, f".tq-export-spool-{len(self.shards)}")
+        path = os.path.join(self.directory, f"{SPOOL_PREFIX}{len(self.shards)}")
         self._spool = open(path, "wb")  # noqa: SIM115 (closed in _close / finish)
         self.shards.append((path, {}))
         self._offset = 0
@@ -92,11 +94,15 @@ class ShardedWriter:
             self._spool.close()
             self._spool = None
 
-    def finish(self) -> list[str]:
-        """Write the shards (and the index for more than one); returns the file names."""
+    def finish(self, before_rename=None) -> list[str]:
+        """Write the shards (and the index for more than one); returns the file names.
+        `before_rename(names)` runs first, told the files about to be written and the spools (a
+        previous checkpoint's other files can go then: the new one's data is all on disk)."""
         self._close()
         n = len(self.shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        if before_rename is not None:
+            before_rename(names + [os.path.basename(spool) for spool, _ in self.shards])
         for (spool, header), name in zip(self.shards, names):
             head = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
             head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
