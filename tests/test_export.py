@@ -139,13 +139,17 @@ def test_training_recipe_export_decompresses_bit_for_bit(tmp_path, recipe):
         assert all("activations 16-bit" in r.scheme for r in report.rows)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_moe_experts_export_per_expert_names_bit_for_bit(tmp_path, kind):
+@pytest.mark.parametrize("kind,mode", [("mixtral", "calibrate"), ("qwen3_moe", "calibrate"), ("mixtral", "convert")])
+def test_moe_experts_export_per_expert_names_bit_for_bit(tmp_path, kind, mode):
     from moe_models import tiny_hf_moe
 
     model = tiny_hf_moe(kind, hidden=64, intermediate=64, layers=1, num_experts=4).eval()
-    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
-    tq.calibrate(model, tq.configs.int8(), lambda m: m(ids), progress=False)
+    if mode == "calibrate":
+        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(ids), progress=False)
+    else:
+        with pytest.warns(tq.nn.ConversionWarning, match="MoE router"):  # routers stay in high precision, said once
+            tq.convert(model, tq.recipes.mxfp8(), filter_fn=lambda m, fqn: fqn != "lm_head")
     path = str(tmp_path / "ckpt")
     tq.export(model, path)
     tensors = _read(path)
@@ -153,17 +157,23 @@ def test_moe_experts_export_per_expert_names_bit_for_bit(tmp_path, kind):
     experts_name, experts = next((n, m) for n, m in model.named_modules() if n.endswith("experts"))
     disk = experts_name.replace(".mlp.", ".block_sparse_moe.") if kind == "mixtral" else experts_name
     with torch.no_grad():
-        gate_up = experts.gate_up_proj_gemm.weight_quantizer(experts.gate_up_proj_gemm.weight)
-        down = experts.down_proj_gemm.weight_quantizer(experts.down_proj_gemm.weight)
+        if mode == "calibrate":
+            gate_up = experts.gate_up_proj_gemm.weight_quantizer(experts.gate_up_proj_gemm.weight)
+            down = experts.down_proj_gemm.weight_quantizer(experts.down_proj_gemm.weight)
+        else:  # each expert's weight as training's grouped GEMM quantizes it
+            wq = tq.recipes.mxfp8().fprop_weight
+            gate_up, down = (torch.stack([tq.quantize(w[e], wq).dequantize() for e in range(4)]) for w in (experts.gate_up_proj, experts.down_proj))
     inter = gate_up.shape[1] // 2
     for e in range(4):
         for leaf, want in zip(names, (gate_up[e, :inter], gate_up[e, inter:], down[e])):
             prefix = f"{disk}.{e}.{leaf}"
             _assert_bits(_decompress(path, tensors, prefix), want, prefix)
-            assert tensors[f"{prefix}.input_scale"].shape == (1,)
+            assert (f"{prefix}.input_scale" in tensors) == (mode == "calibrate")
     assert not any(".gate_up_proj" in k for k in tensors)  # the fused name never reaches the checkpoint
-    # Shared input scale for gate and up (one input): what vLLM's fused w13 requires.
-    assert torch.equal(tensors[f"{disk}.0.{names[0]}.input_scale"], tensors[f"{disk}.0.{names[1]}.input_scale"])
+    if mode == "calibrate":
+        # Shared input scale for gate and up (one input): what vLLM's fused w13 requires.
+        assert tensors[f"{disk}.0.{names[0]}.input_scale"].shape == (1,)
+        assert torch.equal(tensors[f"{disk}.0.{names[0]}.input_scale"], tensors[f"{disk}.0.{names[1]}.input_scale"])
 
 
 def test_sharded_files_and_index(tmp_path):
@@ -198,3 +208,82 @@ def test_bad_input(tmp_path):
     tq.calibrate(m2, e5m2, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
     with pytest.raises(ExportError, match=r"q_proj.*E5M2.*no compressed-tensors form"):
         tq.export(m2, str(tmp_path / "d"))
+
+
+def _modelopt_dequant(t: dict, prefix: str, algo: str) -> torch.Tensor:
+    """A ModelOpt layer dequantized the way its loaders define: ``q * weight_scale`` (NVFP4: times
+    ``weight_scale_2``), block scales repeated over their blocks."""
+    from tqcompile.kernels.reference import _unpack_nibbles, e2m1_decode
+
+    w, s = t[f"{prefix}.weight"], t[f"{prefix}.weight_scale"]
+    if algo == "MXFP8":
+        return w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, dim=-1)
+    if algo == "NVFP4":
+        vals = e2m1_decode(_unpack_nibbles(w))
+        return vals * (s.float().repeat_interleave(16, dim=-1) * t[f"{prefix}.weight_scale_2"])
+    if algo == "FP8_PB_WO":
+        return w.float() * s.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    return w.float() * s
+
+
+@pytest.mark.parametrize(
+    "name,algo", [("fp8_tensor", "FP8"), ("fp8_channel_token", "FP8_PER_CHANNEL_PER_TOKEN"), ("mxfp8", "MXFP8"), ("nvfp4", "NVFP4")]
+)
+def test_modelopt_export(tmp_path, name, algo):
+    model = _calibrated(name)
+    path = str(tmp_path / "ckpt")
+    tq.export(model, path, format="modelopt")
+    hf_quant = json.load(open(os.path.join(path, "hf_quant_config.json")))
+    assert hf_quant["quantization"]["quant_algo"] == algo and hf_quant["quantization"]["exclude_modules"] == ["lm_head"]
+    qc = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quantization"] == hf_quant["quantization"]
+    t = _read(path)
+    for n, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or n == "lm_head":
+            continue
+        with torch.no_grad():
+            amax = _shared_nvfp4_amax(model, n) if algo == "NVFP4" else None
+            want = tq.quantize(m.weight, m.weight_quantizer.quantizer, amax=amax).dequantize() if amax is not None else m.weight_quantizer(m.weight)
+        got = _modelopt_dequant(t, n, algo)
+        if algo == "NVFP4":
+            # weight_scale_2 is the fp32 reciprocal of tq's s_enc: one more rounding than tq's q * (s_blk / s_enc).
+            torch.testing.assert_close(got, want, rtol=2**-22, atol=0)
+        else:
+            assert torch.equal(got, want), n
+        assert (f"{n}.input_scale" in t) == (algo in ("FP8", "NVFP4"))
+
+
+def test_qat_export_after_training_steps(tmp_path):
+    """QAT moves the weights, not the calibrated amaxes: the export writes the weights the QAT model computes with."""
+    model = _calibrated("int8_static").train()
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(before, model.model.layers[0].mlp.down_proj.weight)
+    path = str(tmp_path / "ckpt")
+    tq.export(model.eval(), path)
+    t = _read(path)
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) and n != "lm_head":
+            with torch.no_grad():
+                _assert_bits(_decompress(path, t, n), m.weight_quantizer(m.weight), n)
+
+
+def test_export_from_dcp_checkpoint_on_meta_model(tmp_path):
+    """A training checkpoint (DCP, as FSDP2 saves it) exports from one process without the model in
+    memory: the model is built on the meta device for its structure, tensors are read one at a time."""
+    recipe = tq.recipes.mxfp8()
+    keep_head = lambda m, fqn: fqn != "lm_head"  # noqa: E731
+    trained = tq.convert(tiny_llama(), recipe, filter_fn=keep_head)
+    tq.distributed.checkpoint.save(trained, None, str(tmp_path / "dcp"))
+    with torch.device("meta"):
+        skeleton = tq.convert(tiny_llama(), recipe, filter_fn=keep_head)
+    tq.export(skeleton, str(tmp_path / "from_dcp"), dtype=torch.bfloat16, checkpoint=str(tmp_path / "dcp"))
+    tq.export(trained, str(tmp_path / "from_model"), dtype=torch.bfloat16)
+    a, b = _read(str(tmp_path / "from_dcp")), _read(str(tmp_path / "from_model"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "from_dcp" / "config.json")) == json.load(open(tmp_path / "from_model" / "config.json"))
