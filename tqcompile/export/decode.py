@@ -111,7 +111,9 @@ def _input_candidates(group_size: int | None) -> list[tuple[Quantizer | None, bo
 def _stub(wq: Quantizer, iq: Quantizer | None, static: bool) -> ExportUnit:
     """What the export's scheme mapping reads of a layer: its quantizers and whether the input is static."""
     amax = torch.ones(()) if (iq is not None and static) else None
-    return ExportUnit("", "", None, wq, None, iq, amax, False, lambda: torch.empty(0), "")
+    return ExportUnit(
+        name="", weight_key="", bias_key=None, weight_q=wq, weight_amax=None, input_q=iq, input_amax=amax, experts=False, source=""
+    )
 
 
 def _invert(forward: Callable[[ExportUnit], object], wanted: Callable[[object], bool], weights, inputs) -> LayerScheme | None:
