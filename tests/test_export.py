@@ -22,7 +22,7 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQ
 ct = pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
 
 HIDDEN, INTER = 128, 256  # multiples of 128: FP8 128x128 blocks and INT4 groups of 128 fit
 
@@ -75,6 +75,7 @@ def _read(path: str) -> dict[str, torch.Tensor]:
 def _decompress(path: str, tensors: dict, prefix: str) -> torch.Tensor:
     """compressed-tensors' decompressor for the layer `prefix`, from the written config."""
     qc = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    QuantizationConfig.model_validate(qc)  # every field one compressed-tensors knows (its models forbid extra fields)
     (group,) = [g for g in qc["config_groups"].values() if g["targets"] == ["Linear"] or prefix in g["targets"]]
     scheme = QuantizationScheme.model_validate(group)
     local = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1 :]}
@@ -203,6 +204,10 @@ def test_bad_input(tmp_path):
     with pytest.raises(ExportError, match=r"'model.layers.0.self_attn.q_proj'.*no ModelOpt form.*compressed-tensors"):
         tq.export(model, str(tmp_path / "c"), format="modelopt")
     assert not (tmp_path / "c").exists()  # refused before anything is written
+    # A NaN amax (set by hand: calibration never makes one) never reaches a checkpoint.
+    model.model.layers[0].mlp.up_proj.input_quantizer.amax = torch.tensor(float("nan"))
+    with pytest.raises(ExportError, match=r"'model.layers.0.mlp.up_proj' has 1 non-finite input_scale"):
+        tq.export(model, str(tmp_path / "nan"))
     e5m2 = _config(Float8Quantizer(Format.E5M2), None)
     m2 = tiny_llama()
     tq.calibrate(m2, e5m2, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
@@ -287,3 +292,13 @@ def test_export_from_dcp_checkpoint_on_meta_model(tmp_path):
     a, b = _read(str(tmp_path / "from_dcp")), _read(str(tmp_path / "from_model"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(tmp_path / "from_dcp" / "config.json")) == json.load(open(tmp_path / "from_model" / "config.json"))
+
+
+def test_wrapped_model_exports_like_the_model(tmp_path):
+    """torch.compile's wrapper (its `_orig_mod.` names) changes nothing in the checkpoint."""
+    model = _calibrated("fp8_tensor")
+    tq.export(model, str(tmp_path / "plain"))
+    tq.export(torch.compile(model, backend="eager"), str(tmp_path / "compiled"))
+    a, b = _read(str(tmp_path / "plain")), _read(str(tmp_path / "compiled"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "plain" / "config.json")) == json.load(open(tmp_path / "compiled" / "config.json"))

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tqcompile.calibration.modules import canonical_modules
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.names import Placement, is_hf_model, placements
@@ -156,6 +157,20 @@ def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -
     return t[first // b : (first + n) // b]
 
 
+def _check_scales(unit: ExportUnit, tensors: dict) -> None:
+    """Every scale finite: an engine would serve NaN or Inf from a layer with one (a NaN amax from
+    an unrouted expert is the peers' known failure; tq.calibrate never makes one, a hand-set amax can)."""
+    for local, (t, _) in tensors.items():
+        if "scale" in local and t.is_floating_point():
+            bad = ~torch.isfinite(t.float())
+            if bool(bad.any()):
+                raise ExportError(
+                    f"tq.export: layer {unit.name!r} has {int(bad.sum())} non-finite {local} value(s) (from its amax "
+                    f"{'' if unit.weight_amax is None else 'or weight amax '}of the {unit.source} quantizers); "
+                    "recalibrate it (tq.calibrate) or set a finite amax"
+                )
+
+
 def _prefix(key: str) -> str:
     return key[: -len(".weight")] if key.endswith(".weight") else key
 
@@ -218,9 +233,11 @@ def export(
     if writes:
         _check_path(path, overwrite)
         os.makedirs(path, exist_ok=True)
-    state = model.state_dict(keep_vars=True)
-    state = {k: v for k, v in state.items() if not k.rsplit(".", 1)[-1].startswith(HISTORY_PREFIX) and v is not None}
-    state = _drop_tied(model, state, units)
+    state = _drop_tied(model, _canonical_state(model), units)
+    lost = [u.weight_key for u in units if u.weight_key not in state]
+    if lost:  # never write a quantized layer as float
+        raise ExportError(f"tq.export: cannot find the weights {lost} among the model's parameters")
+    model = _unwrap(model)
     where = placements(model, {k: v.shape for k, v in state.items()})
     shared = _shared_global_amax(units, schemes, state, read)
     by_key = {u.weight_key: u for u in units}
@@ -242,6 +259,7 @@ def export(
             out_rows, in_features = w.shape[-2], w.shape[-1]
             scheme = schemes[unit.name]
             tensors = fmt.layer_tensors(unit, scheme, qw, out_rows, in_features)
+            _check_scales(unit, tensors)
             for p in where[key]:
                 prefix = _prefix(p.name)
                 quantized_names.add(prefix)
@@ -262,6 +280,31 @@ def export(
         raise
     _write_configs(model, path, fmt, groups, ignored, dtype)
     return ExportReport(path, format, rows, ignored, files, writer.total)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside torch.compile / DDP wrappers (whose names, configs and HF class it has)."""
+    from tqcompile.calibration.modules import _wrapper_types
+
+    while isinstance(model, _wrapper_types()):
+        model = model._modules.get("_orig_mod") or model._modules["module"]
+    return model
+
+
+def _canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers under canonical names (wrappers' ``_orig_mod`` /
+    ``module`` components removed, as the units are named), in `state_dict` order; tq's own
+    delayed-scaling histories are training state, not served."""
+    state = {}
+    for name, mod in canonical_modules(model):
+        pre = f"{name}." if name else ""
+        for k, p in mod._parameters.items():
+            if p is not None:
+                state[pre + k] = p
+        for k, b in mod._buffers.items():
+            if b is not None and k not in mod._non_persistent_buffers_set and not k.startswith(HISTORY_PREFIX):
+                state[pre + k] = b
+    return state
 
 
 def _drop_tied(model: nn.Module, state: dict, units: list[ExportUnit]) -> dict:
@@ -289,7 +332,7 @@ def _ignored(model: nn.Module, where: dict, quantized: set[str]) -> list[str]:
     from tqcompile.nn.experts import experts_layout
 
     names = set()
-    for name, module in model.named_modules():
+    for name, module in canonical_modules(model):
         if isinstance(module, nn.Linear) and f"{name}.weight" in where:
             names.update(_prefix(p.name) for p in where[f"{name}.weight"])
         layout = experts_layout(module)
