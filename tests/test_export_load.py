@@ -104,6 +104,22 @@ def test_round_trip_logits_bit_for_bit_and_reexport_same_bytes(tmp_path, name, f
             assert a.get("quantization_config", a) == b.get("quantization_config", b), f
 
 
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "mxfp8"])
+def test_training_recipe_export_loads_back_to_the_trained_models_logits(tmp_path, recipe):
+    """A `tq.convert`ed model exports its recipe's weights with dynamic activations; loaded back,
+    the fake-quant model computes exactly what the converted model's forward computes. The scale
+    rules a checkpoint does not record come from its scales: power-of-two FP8 scales (fp8_rowwise),
+    MX blocks only RCEIL gives (mxfp8)."""
+    model = tq.convert(tiny_llama(), tq.recipes.get(recipe), filter_fn=lambda m, fqn: fqn != "lm_head")
+    tq.export(model, str(tmp_path / "a"))
+    loaded = tq.load_exported(str(tmp_path / "a"))
+    q_proj = loaded.get_submodule("model.layers.0.self_attn.q_proj")
+    wanted = tq.recipes.get(recipe)
+    assert (q_proj.weight_quantizer.quantizer, q_proj.input_quantizer.quantizer) == (wanted.fprop_weight, wanted.fprop_input)
+    assert q_proj.input_quantizer.amax is None  # dynamic, as trained and as the engines run it
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
 def test_summary_and_quant_state_of_the_loaded_model(tmp_path):
     model = _calibrated("int8_static")
     tq.export(model, str(tmp_path / "a"))
@@ -236,6 +252,7 @@ def test_checkpoint_quantized_by_compressed_tensors_loads_and_fine_tunes(tmp_pat
 TRANSFORMERS_SCHEMES = ["int8_static", "int4_g32", "fp8_tensor", "fp8_channel_token"]
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # transformers: dequantize=True is what we pass
 @pytest.mark.parametrize("name", TRANSFORMERS_SCHEMES)
 def test_transformers_dequantize_loader_gives_the_tq_logits_with_float_activations(tmp_path, name):
     """transformers 5.23's compressed-tensors loader with dequantize=True dequantizes every weight
@@ -276,6 +293,21 @@ def test_bad_input(tmp_path):
     json.dump(cfg, open(qc_path, "w"))
     with pytest.raises(ExportError, match="asymmetric"):
         tq.load_exported(str(tmp_path / "a"))
+    # ModelOpt: hf_quant_config.json stands in for config.json's quantization_config; an algo tq has no quantizer for.
+    fp8 = _calibrated("fp8_tensor")
+    tq.export(fp8, str(tmp_path / "mo"), format="modelopt")
+    cfg = json.load(open(tmp_path / "mo" / "config.json"))
+    del cfg["quantization_config"]
+    json.dump(cfg, open(tmp_path / "mo" / "config.json", "w"))
+    assert torch.equal(_logits(tq.load_exported(str(tmp_path / "mo"))), _logits(fp8))
+    hf_quant = json.load(open(tmp_path / "mo" / "hf_quant_config.json"))
+    hf_quant["quantization"]["quant_algo"] = "W4A16_AWQ"
+    json.dump(hf_quant, open(tmp_path / "mo" / "hf_quant_config.json", "w"))
+    with pytest.raises(ExportError, match="quant_algo 'W4A16_AWQ' has no tq quantizer"):
+        tq.load_exported(str(tmp_path / "mo"))
+    # A model already quantized.
+    with pytest.raises(ExportError, match="already quantized"):
+        tq.load_exported(str(tmp_path / "mo"), model=fp8)
     # A model of another architecture: the tensors that differ are named.
     tq.export(model, str(tmp_path / "b"))
     other = transformers.AutoModelForCausalLM.from_config(

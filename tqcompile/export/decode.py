@@ -32,10 +32,10 @@ from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.units import ExportError, ExportUnit
 from tqcompile.formats import Format
-from tqcompile.kernels.reference import _pack_nibbles, _scale_from_amax, _unpack_nibbles
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
+from tqcompile.kernels.reference import _pack_nibbles, _scale_from_amax, _unpack_nibbles, e2m1_decode
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
 
-__all__ = ["LayerScheme", "DecodedLayer", "ct_scheme", "modelopt_scheme", "decode_layer", "amax_for_scale"]
+__all__ = ["LayerScheme", "DecodedLayer", "ct_scheme", "modelopt_scheme", "decode_layer", "amax_for_scale", "with_scale_rules"]
 
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6, as in the reference kernels
 _ULPS = 8  # the amax search's reach either side of its estimate (tq's own scales need at most 3)
@@ -67,6 +67,8 @@ class DecodedLayer:
     input_amax: torch.Tensor | None
     inexact: int = 0
     beyond_qmax: int = 0  # integer codes outside tq's symmetric range (-128 / -8 written by other tools)
+    mx_rceil: bool = False  # MX blocks only RCEIL scales give (see `_mx_rceil`)
+    pow2_scales: bool | None = None  # FP8 layers: every scale a power of two (None: not FP8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +194,21 @@ def modelopt_scheme(algo: str) -> LayerScheme:
     return dataclasses.replace(found, text=f"modelopt {algo}")
 
 
+def with_scale_rules(scheme: LayerScheme, *, rceil: bool, pow2: bool) -> LayerScheme:
+    """`scheme` with its MX quantizers on the RCEIL rule and its FP8 quantizers on power-of-two
+    scales, as the checkpoint's scales show (it records neither; activations take the weights'
+    rule, as in tq's recipes and presets)."""
+
+    def rule(q):
+        if rceil and isinstance(q, MXQuantizer):
+            return dataclasses.replace(q, scale_rounding=ScaleRounding.RCEIL)
+        if pow2 and isinstance(q, Float8Quantizer):
+            return dataclasses.replace(q, power_of_two_scale=True)
+        return q
+
+    return dataclasses.replace(scheme, weight_q=rule(scheme.weight_q), input_q=rule(scheme.input_q))
+
+
 # ---------------------------------------------------------------------------------------------
 # Scales back to amaxes
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +277,16 @@ def _nvfp4_block_2d(scale: torch.Tensor) -> bool:
     return bool((tiles == tiles[:, :1]).all())
 
 
+def _mx_rceil(data: torch.Tensor, q: MXQuantizer) -> bool:
+    """Whether some MX block's largest element is below 2**emax (256 for E4M3, 4 for E2M1), which
+    the FLOOR rule never gives (its exponent puts every block's amax in [2**emax, 2**(emax+1))) and
+    RCEIL does (its blocks' amaxes lie in (max / 2, max]). The checkpoint does not say which rule
+    wrote it; its blocks do, for all but the smallest layers."""
+    vals = e2m1_decode(_unpack_nibbles(data)) if q.format is Format.E2M1 else data.float()
+    block_max = vals.abs().unflatten(-1, (-1, q.BLOCK)).amax(-1)
+    return bool(((block_max > 0) & (block_max < 2.0**q.format.emax)).any())
+
+
 def decode_layer(prefix: str, scheme: LayerScheme, get: Callable[[str], torch.Tensor | None], modelopt: bool) -> DecodedLayer:
     """Read the layer `prefix` of `scheme` (`get(local name)` returns its tensor, or None)."""
     q, where = scheme.weight_q, f"tq.load_exported: layer {prefix!r} ({scheme.text})"
@@ -293,7 +320,7 @@ def decode_layer(prefix: str, scheme: LayerScheme, get: Callable[[str], torch.Te
     err = q.shape_error(shape)
     if err is not None:
         raise ExportError(f"{where}: its {tuple(shape)} weight does not fit tq's {q!r}: {err}")
-    weight_amax = None
+    weight_amax, rceil, pow2 = None, False, None
     if isinstance(q, NVFP4Quantizer):
         global_name = "weight_scale_2" if modelopt else "weight_global_scale"
         g = get(global_name)
@@ -305,16 +332,19 @@ def decode_layer(prefix: str, scheme: LayerScheme, get: Callable[[str], torch.Te
             scheme = dataclasses.replace(scheme, weight_q=q)
         w = ops.dequantize(data, scale.to(torch.float8_e4m3fn).contiguous(), weight_amax, q, torch.float32)
     elif isinstance(q, MXQuantizer):
+        rceil = _mx_rceil(data, q)
         w = ops.dequantize(data, scale.view(torch.uint8).view(torch.float8_e8m0fnu).contiguous(), None, q, torch.float32)
     else:
         weight_amax, inexact = _scaled_amax(scale.reshape(q.scale_shape(shape)), q)
+        if isinstance(q, Float8Quantizer):  # fp32 powers of two have no mantissa bits
+            pow2 = bool(((scale.float().view(torch.int32) & 0x7FFFFF) == 0).all())
         scale_inv = _scale_inv_of(q)(weight_amax)
         if dense:
             w = data.float()
         else:
             w = ops.dequantize(data, scale_inv.contiguous(), None, q, torch.float32)
     input_amax, more = _input_amax(scheme, get, modelopt, where)
-    return DecodedLayer(scheme, w, weight_amax, input_amax, inexact + more, beyond)
+    return DecodedLayer(scheme, w, weight_amax, input_amax, inexact + more, beyond, rceil, pow2)
 
 
 def _input_amax(scheme: LayerScheme, get, modelopt: bool, where: str) -> tuple[torch.Tensor | None, int]:

@@ -27,11 +27,19 @@ from torch import nn
 from tqcompile.calibration.calibrate import CalibrationWarning, prepare
 from tqcompile.calibration.config import QuantConfig, QuantRule
 from tqcompile.calibration.fake_quant import static_amax_kind
-from tqcompile.calibration.modules import ExpertGemmQuantizers, kind_of, quant_units
-from tqcompile.export.decode import DecodedLayer, LayerScheme, ct_scheme, decode_layer, modelopt_scheme
+from tqcompile.calibration.modules import (
+    ExpertGemmQuantizers,
+    canonical_modules,
+    holds_quantizers,
+    kind_of,
+    module_device,
+    quant_units,
+)
+from tqcompile.export.decode import DecodedLayer, LayerScheme, ct_scheme, decode_layer, modelopt_scheme, with_scale_rules
 from tqcompile.export.names import Placement, placements
 from tqcompile.export.safetensors_io import load_tensor, read_safetensors_header
 from tqcompile.export.units import ExportError
+from tqcompile.nn.base import is_converted
 from tqcompile.quantizers import Granularity
 
 __all__ = ["load_exported"]
@@ -245,6 +253,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     ckpt = _Checkpoint(path)
     if model is None:
         model = _build_model(path, config, dtype)
+    _check_float(model)
     resolve = _scheme_resolver(qc, model)
     modelopt = qc["quant_method"] == "modelopt"
     quantized = set(ckpt.layer_prefixes())
@@ -253,7 +262,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     units_by_key = _unit_by_weight_key(model)
     new_state: dict[str, torch.Tensor] = {}
     units: list[tuple[nn.Module, _Unit]] = []
-    mismatch, missing, notes, counts = [], [], [], {"inexact": 0, "beyond": 0}
+    mismatch, missing, notes, counts = [], [], [], {"inexact": 0, "beyond": 0, "rceil": 0, "fp8": 0, "pow2": 0}
     for key, value in state.items():
         ps = where[key]
         q_ps = [p for p in ps if _prefix(p.name) in quantized]
@@ -281,9 +290,23 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     if missing or unused or mismatch:
         raise ExportError(_mismatch_message(model, missing, unused, mismatch))
     _warn(notes, counts, path)
+    # One scale rule for the model, as the scales show: MX blocks that only RCEIL gives, in any
+    # layer (a layer whose blocks cannot tell takes the others'); FP8 scales all powers of two.
+    rceil, pow2 = counts["rceil"] > 0, counts["fp8"] > 0 and counts["pow2"] == counts["fp8"]
+    for _, u in units:
+        u.scheme = with_scale_rules(u.scheme, rceil=rceil, pow2=pow2)
     model.load_state_dict(new_state, strict=False)
     _convert(model, units)
     return model
+
+
+def _check_float(model: nn.Module) -> None:
+    for name, m in canonical_modules(model):
+        if holds_quantizers(m) or is_converted(m):
+            raise ExportError(
+                f"tq.load_exported: module {name!r} of the model is already quantized ({type(m).__name__}); "
+                "pass a freshly built float model (or model=None to build it from the checkpoint's config)"
+            )
 
 
 def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -311,6 +334,10 @@ def _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, no
         layers.append((p, layer))
         counts["inexact"] += layer.inexact
         counts["beyond"] += layer.beyond_qmax
+        counts["rceil"] += layer.mx_rceil
+        if layer.pow2_scales is not None:
+            counts["fp8"] += 1
+            counts["pow2"] += layer.pow2_scales
     first = layers[0][1].scheme
     for p, layer in layers[1:]:
         s = layer.scheme
@@ -339,15 +366,18 @@ def _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, no
 
 def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]]) -> None:
     """Convert as `tq.calibrate` does (every quantizable module; the loaded layers with their
-    checkpoint's quantizers), then set the amaxes."""
+    checkpoint's quantizers), then set the amaxes. A dynamic per-tensor input (what `tq.export`
+    writes for a training recipe's activations) keeps no amax: its scale comes from each input,
+    as in the engines (calibration would have made it static)."""
     rules = tuple(QuantRule(name=u.name, input=u.scheme.input_q or False, weight=u.scheme.weight_q, output=False) for _, u in units)
     prepare(model, QuantConfig(rules))
     for _, u in units:
         m = model.get_submodule(u.name)
+        device = module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m)
         if u.weight_amax is not None:
-            m.weight_quantizer.set_amax(u.weight_amax.to(m.weight_quantizer.amax.device))
-        if u.input_amax is not None:
-            m.input_quantizer.set_amax(u.input_amax.to(m.input_quantizer.amax.device))
+            m.weight_quantizer.set_amax(u.weight_amax.to(device))
+        if u.scheme.input_q is not None:
+            m.input_quantizer.set_amax(None if u.input_amax is None else u.input_amax.to(device))
 
 
 def _mismatch_message(model: nn.Module, missing: list[str], unused: list[str], mismatch: list[str]) -> str:
