@@ -72,16 +72,23 @@ def _check_path(path: str, overwrite: bool) -> None:
                 os.remove(os.path.join(path, name))
 
 
-def _is_sharded(model: nn.Module) -> bool:
+def _sharded_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's DTensor parameters (where its collectives run), or None if it is not sharded."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return next((p.device for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
-def _writer_rank(model: nn.Module, path: str) -> bool:
-    """Whether this process writes. A sharded (DTensor) model exports collectively: every rank
-    calls `tq.export` with the same path (each tensor is gathered in turn), rank 0 writes."""
+def _is_sharded(model: nn.Module) -> bool:
+    return _sharded_device(model) is not None
+
+
+def _writer_rank(model: nn.Module, path: str, overwrite: bool) -> bool:
+    """Whether this process writes, after checking `path`. A sharded (DTensor) model exports
+    collectively: every rank calls `tq.export` with the same path (each tensor is gathered in
+    turn), rank 0 checks the path and writes, and every rank gets rank 0's refusal."""
     if not _is_sharded(model):
+        _check_path(path, overwrite)
         return True
     if not (dist.is_available() and dist.is_initialized()):
         raise ExportError("tq.export: the model's parameters are DTensors (sharded) but no process group is initialized")
@@ -91,6 +98,15 @@ def _writer_rank(model: nn.Module, path: str) -> bool:
         raise ExportError(
             f"tq.export of a sharded model is collective: every rank must pass the same path (rank 0 writes); got {sorted(set(paths))}"
         )
+    refusal = [None]
+    if dist.get_rank() == 0:
+        try:
+            _check_path(path, overwrite)
+        except ExportError as e:
+            refusal[0] = str(e)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise ExportError(refusal[0])
     return dist.get_rank() == 0
 
 
@@ -228,10 +244,13 @@ def export(
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
-    writes = True if checkpoint is not None else _writer_rank(model, path)
+    if checkpoint is None:
+        writes = _writer_rank(model, path, overwrite)
+    else:  # one process reads the checkpoint and writes
+        _check_path(path, overwrite)
+        writes = True
     read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
     if writes:
-        _check_path(path, overwrite)
         os.makedirs(path, exist_ok=True)
     state = _drop_tied(model, _canonical_state(model), units)
     lost = [u.weight_key for u in units if u.weight_key not in state]
@@ -242,35 +261,16 @@ def export(
     shared = _shared_global_amax(units, schemes, state, read)
     by_key = {u.weight_key: u for u in units}
     writer = ShardedWriter(path, limit) if writes else None
-    rows, groups, quantized_names = [], {}, set()
+    run = _Pass(fmt, read, dtype, where, shared, schemes, writer, None if checkpoint is not None else _sharded_device(model))
     try:
         for key, value in state.items():
             unit = by_key.get(key)
             if unit is None:
-                t = read(key, value)
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                for p in where[key]:
-                    if writer is not None:
-                        writer.add(p.name, _split(t, "rows", p, t.dim() == 3, key).clone())
-                continue
-            w = read(key, value)
-            qw = quantize_unit(unit, w, shared.get(unit.name))
-            out_rows, in_features = w.shape[-2], w.shape[-1]
-            scheme = schemes[unit.name]
-            tensors = fmt.layer_tensors(unit, scheme, qw, out_rows, in_features)
-            _check_scales(unit, tensors)
-            for p in where[key]:
-                prefix = _prefix(p.name)
-                quantized_names.add(prefix)
-                groups.setdefault(scheme, []).append(prefix)
-                for local, (t, kind) in tensors.items():
-                    if kind == "shape" and p.rows is not None:
-                        t = torch.tensor([p.rows.numel(), in_features], dtype=torch.int64)
-                    if writer is not None:
-                        writer.add(f"{prefix}.{local}", _split(t, kind, p, unit.experts, unit.name).clone())
-            rows.append(ExportRow(unit.name, scheme.describe(), unit.source, len(where[key])))
-        ignored = _ignored(model, where, quantized_names)
+                run.float_tensor(key, value)
+            else:
+                run.quantized_weight(key, value, unit)
+            run.agree()
+        ignored = _ignored(model, where, run.quantized)
         if writer is None:
             return None
         files = writer.finish()
@@ -278,8 +278,68 @@ def export(
         if writer is not None:
             writer.abort()
         raise
-    _write_configs(model, path, fmt, groups, ignored, dtype)
-    return ExportReport(path, format, rows, ignored, files, writer.total)
+    _write_configs(model, path, fmt, run.groups, ignored, dtype)
+    return ExportReport(path, format, run.rows, ignored, files, writer.total)
+
+
+@dataclasses.dataclass
+class _Pass:
+    """One pass over the model's tensors: each is read (gathered, for a sharded model), quantized
+    where it is a unit's weight, split into the checkpoint's tensors, and written by the writing
+    rank. `agree` after each tensor makes a failure on the writing rank (a full disk) stop every
+    rank at the same tensor, instead of leaving the others waiting in the next gather."""
+
+    fmt: object
+    read: object
+    dtype: torch.dtype | None
+    where: dict
+    shared: dict
+    schemes: dict
+    writer: ShardedWriter | None
+    collective_device: torch.device | None  # a sharded model's: every rank takes part in each step
+    rows: list = dataclasses.field(default_factory=list)
+    groups: dict = dataclasses.field(default_factory=dict)
+    quantized: set = dataclasses.field(default_factory=set)
+    error: BaseException | None = None
+
+    def emit(self, name: str, t: torch.Tensor) -> None:
+        if self.writer is not None and self.error is None:
+            try:
+                self.writer.add(name, t.clone())
+            except Exception as e:  # raised by `agree`, on every rank
+                self.error = e
+
+    def float_tensor(self, key: str, value: torch.Tensor) -> None:
+        t = self.read(key, value)
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
+        for p in self.where[key]:
+            self.emit(p.name, _split(t, "rows", p, t.dim() == 3, key))
+
+    def quantized_weight(self, key: str, value: torch.Tensor, unit: ExportUnit) -> None:
+        w = self.read(key, value)
+        scheme = self.schemes[unit.name]
+        tensors = self.fmt.layer_tensors(unit, scheme, quantize_unit(unit, w, self.shared.get(unit.name)), w.shape[-2], w.shape[-1])
+        _check_scales(unit, tensors)  # the same tensors on every rank: every rank raises
+        for p in self.where[key]:
+            prefix = _prefix(p.name)
+            self.quantized.add(prefix)
+            self.groups.setdefault(scheme, []).append(prefix)
+            for local, (t, kind) in tensors.items():
+                if kind == "shape" and p.rows is not None:
+                    t = torch.tensor([p.rows.numel(), w.shape[-1]], dtype=torch.int64)
+                self.emit(f"{prefix}.{local}", _split(t, kind, p, unit.experts, unit.name))
+        self.rows.append(ExportRow(unit.name, scheme.describe(), unit.source, len(self.where[key])))
+
+    def agree(self) -> None:
+        failed = self.error is not None
+        if self.collective_device is not None:
+            flag = torch.tensor([int(failed)], device=self.collective_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not failed and bool(flag):
+                raise ExportError("tq.export: the writing rank (rank 0) failed writing the checkpoint; see its error")
+        if failed:
+            raise self.error
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
