@@ -236,10 +236,15 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
         dtype: the parameter dtype of the model built when `model` is None (float32: QAT keeps
             float32 master weights); a given model keeps its own.
 
-    Scales map back to amaxes exactly for checkpoints tq wrote; a scale another tool computed as
-    ``amax / qmax`` may have no exact tq amax, and then the nearest is used (its scale is an fp32
-    ulp away) and a `CalibrationWarning` says how many. Integer codes -128 (INT8) and -8 (INT4)
-    that other tools write compute as -127 and -7 in tq (symmetric quantizers), also warned.
+    Scales map back to amaxes exactly for checkpoints tq wrote (calibrated, QAT or `tq.convert`
+    models): the loaded model computes the exported model's logits bit for bit and exports to the
+    same bytes. A scale another tool computed as ``amax / qmax`` may have no exact tq amax; the
+    nearest is used (an fp32 ulp of the scale away) and a `CalibrationWarning` says how many.
+    Integer codes -128 (INT8) and -8 (INT4), which llmcompressor writes, stay in the float
+    weights but compute as -127 and -7 (tq's integer quantizers are symmetric), also warned.
+    Scale rules a checkpoint does not record are read off its scales: FP8 scales that are all
+    powers of two load as ``power_of_two_scale``; MX blocks that only the RCEIL rule writes, as
+    RCEIL. Dynamic per-tensor activations (a training recipe's export) keep no amax.
 
     Raises:
         ExportError: no quantization_config; a scheme tq cannot express (names the layer and the
