@@ -24,6 +24,7 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer
 pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 from test_export import _decompress, _read  # noqa: E402
+from test_export_load import assert_qat_lowers_the_loss  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "data" / "llmcompressor"
 ROW_INT8, ROW_FP8 = IntQuantizer(Format.INT8, Granularity.ROWWISE), Float8Quantizer(granularity=Granularity.ROWWISE)
@@ -107,17 +108,7 @@ def test_transformers_and_tq_compute_with_the_same_weights(scheme):
 
 def test_qat_continues_from_an_llmcompressor_checkpoint(tmp_path):
     model, _ = _load(str(FIXTURES / "W4A16"))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ids = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(7))
-    losses = []
-    for _ in range(3):
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.05, losses
+    assert_qat_lowers_the_loss(model, 64, 3)
     # ... and exports back to a compressed-tensors checkpoint of the same scheme.
     report = tq.export(model, str(tmp_path / "tuned"))
     assert {r.scheme for r in report.rows} == {"pack-quantized W4 int group 128, activations 16-bit"}

@@ -193,19 +193,25 @@ def test_moe_per_expert_names_back_into_fused_experts(tmp_path, kind):
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
-def test_qat_continues_from_a_loaded_checkpoint(tmp_path):
-    tq.export(_calibrated("int8_static"), str(tmp_path / "a"))
-    model = tq.load_exported(str(tmp_path / "a")).train()
+def assert_qat_lowers_the_loss(model: nn.Module, vocab: int, steps: int) -> None:
+    """A few QAT steps (AdamW, fake quantization in the forward): the loss stays finite and falls."""
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ids = torch.randint(0, 96, (4, 24), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, vocab, (4, 24), generator=torch.Generator().manual_seed(7))
     losses = []
-    for _ in range(4):
+    for _ in range(steps):
         loss = model(ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.05, losses
+
+
+def test_qat_continues_from_a_loaded_checkpoint(tmp_path):
+    tq.export(_calibrated("int8_static"), str(tmp_path / "a"))
+    model = tq.load_exported(str(tmp_path / "a"))
+    assert_qat_lowers_the_loss(model, 96, 4)
     q_proj = model.get_submodule("model.layers.0.self_attn.q_proj")
     assert q_proj.weight.grad is not None and q_proj.weight_quantizer.enabled  # trained through fake quantization
 
@@ -273,17 +279,7 @@ def test_checkpoint_quantized_by_compressed_tensors_loads_and_fine_tunes(tmp_pat
         moved = fq != m.weight
         assert torch.equal(moved, codes < -qmax) and torch.equal(fq[moved], (-qmax * scale)[moved]), n
     assert sum(inexact) < n_scales  # most scales map back exactly; the warning counts the others
-    model = loaded.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ids = torch.randint(0, 96, (4, 24), generator=torch.Generator().manual_seed(7))
-    losses = []
-    for _ in range(3):
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.05, losses
+    assert_qat_lowers_the_loss(loaded, 96, 3)
 
 
 TRANSFORMERS_SCHEMES = ["int8_static", "int4_g32", "fp8_tensor", "fp8_channel_token"]
