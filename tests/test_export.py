@@ -14,7 +14,7 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.calibration import QuantRule
 from tqcompile.configs import GEMM_LAYERS, default_disabled
-from tqcompile.export import ExportError
+from tqcompile.export import ExportError, ExportWarning
 from tqcompile.export.safetensors_io import load_tensor, read_safetensors_header
 from tqcompile.formats import Format
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer
@@ -302,3 +302,49 @@ def test_wrapped_model_exports_like_the_model(tmp_path):
     a, b = _read(str(tmp_path / "plain")), _read(str(tmp_path / "compiled"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(tmp_path / "plain" / "config.json")) == json.load(open(tmp_path / "compiled" / "config.json"))
+
+
+LLMC = os.path.join(os.path.dirname(__file__), "data", "llmcompressor")
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16", "FP8_DYNAMIC"])
+def test_same_layout_as_llmcompressor(tmp_path, scheme):
+    """What tq.export writes for a scheme has the names, shapes, dtypes and scheme fields of what
+    llmcompressor 0.14 writes for it (tests/data/llmcompressor: its own output on the same architecture)."""
+    theirs_cfg = json.load(open(os.path.join(LLMC, scheme, "config.json")))
+    qc_theirs = theirs_cfg.pop("quantization_config")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**theirs_cfg)).to(torch.bfloat16).eval()
+    fp8_row, int8_row = Float8Quantizer(granularity=Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE)
+    config = {"W8A8": _config(int8_row, int8_row), "W4A16": tq.configs.int4_weight_only(128), "FP8_DYNAMIC": _config(fp8_row, fp8_row)}[scheme]
+    tq.calibrate(model, config, lambda m: m(torch.zeros(1, 8, dtype=torch.long)), progress=False)
+    path = str(tmp_path / "ours")
+    tq.export(model, path)
+    ours, theirs = _read(path), _read(os.path.join(LLMC, scheme))
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    # Same dtypes, except scales: llmcompressor stores them in the model's dtype (bf16, rounded);
+    # tq in fp32, the scales the weights were quantized with (the engines read either into fp32).
+    for k, v in ours.items():
+        want = torch.float32 if k.endswith("_scale") else theirs[k].dtype
+        assert v.dtype == want and (not k.endswith("_scale") or theirs[k].dtype == torch.bfloat16), (k, v.dtype, theirs[k].dtype)
+    qc_ours = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    fields = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+    for part in ("weights", "input_activations"):
+        a, b = qc_ours["config_groups"]["group_0"][part], qc_theirs["config_groups"]["group_0"][part]
+        assert (a is None) == (b is None), part
+        if a is not None:
+            assert {f: a.get(f) for f in fields} == {f: b.get(f) for f in fields}, part
+    for key in ("format", "ignore", "quant_method", "quantization_status"):
+        assert qc_ours[key] == qc_theirs[key], key
+
+
+def test_fused_layers_quantized_differently_warn(tmp_path):
+    """k_proj/v_proj left in high precision (64 rows do not fit 128x128 blocks) beside a quantized
+    q_proj: vLLM refuses such a checkpoint, so the export says so, naming the layers."""
+    model = tiny_llama()
+    model.config.num_key_value_heads = 2
+    model = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    block = _config(Float8Quantizer(granularity=Granularity.BLOCKWISE_2D), None)
+    with pytest.warns(tq.calibration.CalibrationWarning):
+        tq.calibrate(model, block, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
+    with pytest.warns(ExportWarning, match=r"self_attn.q_proj: naive-quantized .*self_attn.k_proj: high precision"):
+        tq.export(model, str(tmp_path / "x"))

@@ -2,8 +2,8 @@
 SGLang, TensorRT-LLM and transformers load, and `tq.load_exported` reads them back as calibrated
 models (see docs/serving.md)."""
 
-from tqcompile.export.export import FORMATS, ExportReport, ExportRow, export
+from tqcompile.export.export import FORMATS, ExportReport, ExportRow, ExportWarning, export
 from tqcompile.export.load import load_exported
 from tqcompile.export.units import ExportError
 
-__all__ = ["export", "load_exported", "ExportReport", "ExportRow", "ExportError", "FORMATS"]
+__all__ = ["export", "load_exported", "ExportReport", "ExportRow", "ExportError", "ExportWarning", "FORMATS"]

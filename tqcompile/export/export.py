@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_
 from tqcompile.nn.histories import HISTORY_PREFIX
 from tqcompile.quantizers import NVFP4Quantizer
 
-__all__ = ["export", "ExportReport", "ExportRow", "FORMATS"]
+__all__ = ["export", "ExportReport", "ExportRow", "ExportWarning", "FORMATS"]
 
 FORMATS = {"compressed-tensors": ct, "modelopt": mo}
 # Weights an engine fuses into one GEMM (vLLM's packed modules): an NVFP4 global scale is shared
@@ -139,6 +140,32 @@ def _dcp_reader(checkpoint):
     return read
 
 
+class ExportWarning(UserWarning):
+    """Something an export writes that the format holds but an engine is known to refuse."""
+
+
+def _check_fused(model: nn.Module, schemes: dict) -> None:
+    """Warn where layers an engine fuses into one GEMM (q/k/v, gate/up) are not all quantized with
+    one scheme: vLLM refuses such a checkpoint ("different quantization schemes for the shards")."""
+    linears = {name for name, m in canonical_modules(model) if isinstance(m, nn.Linear)}
+    mixed = []
+    for name in sorted(linears):
+        parent, _, leaf = name.rpartition(".")
+        fam = next((f for f in FUSED_SIBLINGS if leaf == f[0]), None)
+        members = [f"{parent}.{x}" if parent else x for x in fam] if fam else []
+        members = [m for m in members if m in linears]
+        if len(members) > 1 and len({schemes.get(m) for m in members}) > 1:
+            mixed.append(", ".join(f"{m}: {schemes[m].describe() if m in schemes else 'high precision'}" for m in members))
+    if mixed:
+        warnings.warn(
+            "tq.export: layers that vLLM and TensorRT-LLM fuse into one GEMM are quantized differently, which they refuse "
+            "to load (transformers loads it): " + "; ".join(mixed) + ". Quantize them alike (block sizes that fit all of "
+            "them) or keep them all in high precision.",
+            ExportWarning,
+            stacklevel=3,
+        )
+
+
 def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, read) -> dict[str, torch.Tensor]:
     """For NVFP4 weights an engine fuses (q/k/v, gate/up under one parent), the max of their
     tensor amaxes, by unit name: one global scale for the fused GEMM."""
@@ -244,6 +271,7 @@ def export(
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
+    _check_fused(model, schemes)
     if checkpoint is None:
         writes = _writer_rank(model, path, overwrite)
     else:  # one process reads the checkpoint and writes
