@@ -157,6 +157,33 @@ def test_training_recipe_export_loads_back_to_the_trained_models_logits(tmp_path
     assert torch.equal(_logits(loaded), _logits(model))
 
 
+def test_mixed_schemes_by_exact_names_and_by_regex_targets(tmp_path):
+    from tqcompile.calibration import QuantRule
+
+    model = tiny_llama()
+    cfg = tq.configs.int8().with_rules(
+        QuantRule(name="*.mlp.*", input=False, weight=tq.IntQuantizer(tq.Format.INT4, tq.Granularity.BLOCKWISE_1D, block_size=32)),
+        QuantRule(name="*.o_proj", input=tq.Float8Quantizer(), weight=tq.Float8Quantizer()),
+    )
+    tq.calibrate(model, cfg, lambda m: m(IDS), progress=False)
+    path = tmp_path / "a"
+    tq.export(model, str(path))
+    config = json.load(open(path / "config.json"))
+    groups = config["quantization_config"]["config_groups"]
+    assert len(groups) == 3  # one per scheme, each naming its layers
+    loaded = tq.load_exported(str(path))
+    assert torch.equal(_logits(loaded), _logits(model))
+    # The same groups targeted as llmcompressor users write them: "re:" patterns, "Linear" last.
+    patterns = {"int-quantized": r"re:.*self_attn\.[qkv]_proj$", "float-quantized": "re:.*o_proj", "pack-quantized": "Linear"}
+    for g in groups.values():
+        g["targets"] = [patterns[g["format"]]]
+    json.dump(config, open(path / "config.json", "w"))
+    again = tq.load_exported(str(path))
+    for n, m in _fake_quant_units(again).items():
+        assert m.weight_quantizer.quantizer == _fake_quant_units(model)[n].weight_quantizer.quantizer, n
+    assert torch.equal(_logits(again), _logits(model))
+
+
 def test_summary_and_quant_state_of_the_loaded_model(tmp_path):
     model = _calibrated("int8_static")
     tq.export(model, str(tmp_path / "a"))
