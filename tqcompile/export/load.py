@@ -265,44 +265,91 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     state = _untied_state(model)
     where = placements(model, {k: v.shape for k, v in state.items()})
     units_by_key = _unit_by_weight_key(model)
-    new_state: dict[str, torch.Tensor] = {}
+    _precheck(model, ckpt, state, where, quantized, units_by_key, resolve)
+    # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
+    # in place (memory holds the model and one layer, not a second copy of the model).
     units: list[tuple[nn.Module, _Unit]] = []
-    mismatch, missing, notes, counts = [], [], [], {"inexact": 0, "beyond": 0, "rceil": 0, "fp8": 0, "pow2": 0}
-    for key, value in state.items():
-        ps = where[key]
-        q_ps = [p for p in ps if _prefix(p.name) in quantized]
-        dst = torch.empty(value.shape, dtype=torch.float32 if q_ps else value.dtype)
-        if not q_ps:
-            for p in ps:
-                t = ckpt.get(p.name)
-                if t is None:
-                    missing.append(p.name)
-                else:
-                    _put(dst, t, p, value.dim() == 3, 1, mismatch, p.name)
-            new_state[key] = dst
-            continue
-        if len(q_ps) != len(ps) or key not in units_by_key:
-            raise ExportError(
-                f"tq.load_exported: the checkpoint quantizes {sorted(_prefix(p.name) for p in q_ps)}, which the model holds as "
-                f"{key!r}, {'partly in high precision' if key in units_by_key else 'not a layer tq quantizes (Linear or MoE experts)'}; "
-                "the model's architecture does not match the checkpoint's"
-            )
-        name, unit_module = units_by_key[key]
-        unit = _load_unit(name, unit_module, q_ps, ckpt, resolve, modelopt, dst, mismatch, notes, counts)
-        units.append((unit_module, unit))
-        new_state[key] = dst.to(value.dtype)
-    unused = sorted(set(ckpt.entries) - ckpt.used)
-    if missing or unused or mismatch:
-        raise ExportError(_mismatch_message(model, missing, unused, mismatch))
+    mismatch, notes, counts = [], [], {"inexact": 0, "beyond": 0, "rceil": 0, "fp8": 0, "pow2": 0}
+    with torch.no_grad():
+        for key, value in state.items():
+            ps, target = where[key], value.detach()
+            if key not in units_by_key or not any(_prefix(p.name) in quantized for p in ps):
+                for p in ps:
+                    _put(target, ckpt.get(p.name), p, value.dim() == 3, 1, mismatch, p.name)
+                continue
+            name, unit_module = units_by_key[key]
+            dst = torch.empty(value.shape, dtype=torch.float32)
+            units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, notes, counts)))
+            target.copy_(dst)
+    if mismatch:
+        raise ExportError(_mismatch_message(model, [], [], mismatch))
     _warn(notes, counts, path)
     # One scale rule for the model, as the scales show: MX blocks that only RCEIL gives, in any
     # layer (a layer whose blocks cannot tell takes the others'); FP8 scales all powers of two.
     rceil, pow2 = counts["rceil"] > 0, counts["fp8"] > 0 and counts["pow2"] == counts["fp8"]
     for _, u in units:
         u.scheme = with_scale_rules(u.scheme, rceil=rceil, pow2=pow2)
-    model.load_state_dict(new_state, strict=False)
     _convert(model, units)
     return model
+
+
+# The tensors a checkpoint layer may hold (compressed-tensors' and ModelOpt's names); any other
+# tensor under a layer's name is one tq would drop, so it is reported instead.
+_LAYER_TENSORS = (
+    "weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
+    "weight_global_scale", "weight_scale_2", "input_scale", "input_global_scale",
+)
+
+
+def _layer_shape(ckpt: _Checkpoint, prefix: str) -> tuple[int, ...] | None:
+    """A quantized layer's (out, in), from its headers (and its small weight_shape tensor)."""
+    if f"{prefix}.weight_shape" in ckpt.entries:
+        return tuple(int(v) for v in ckpt.get(f"{prefix}.weight_shape"))
+    entry = ckpt.entries.get(f"{prefix}.weight_packed") or ckpt.entries.get(f"{prefix}.weight")
+    if entry is None:
+        return None
+    shape = list(entry[1]["shape"])
+    if entry[1]["dtype"] == "U8" and shape:  # two 4-bit elements a byte (NVFP4, MXFP4)
+        shape[-1] *= 2
+    return tuple(shape)
+
+
+def _slot_shape(shape: torch.Size, p: Placement, experts: bool) -> tuple[int, ...]:
+    s = tuple(shape[1:]) if experts and p.expert is not None else tuple(shape)
+    return (p.rows.numel(), *s[1:]) if p.rows is not None and s else s
+
+
+def _precheck(model, ckpt: _Checkpoint, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve) -> None:
+    """Names and shapes against the checkpoint's headers, and every quantized layer's scheme,
+    before any tensor is read or written: a checkpoint of another architecture changes nothing."""
+    missing, mismatch, known = [], [], set()
+    for key, value in state.items():
+        ps = where[key]
+        q_ps = [p for p in ps if _prefix(p.name) in quantized]
+        if q_ps and (len(q_ps) != len(ps) or key not in units_by_key):
+            raise ExportError(
+                f"tq.load_exported: the checkpoint quantizes {sorted(_prefix(p.name) for p in q_ps)}, which the model holds as "
+                f"{key!r}, {'partly in high precision' if key in units_by_key else 'not a layer tq quantizes (Linear or MoE experts)'}; "
+                "the model's architecture does not match the checkpoint's"
+            )
+        for p in ps:
+            if q_ps:
+                prefix = _prefix(p.name)
+                resolve(prefix)  # a scheme tq cannot express raises here, naming the layer
+                known.update(f"{prefix}.{t}" for t in _LAYER_TENSORS)
+                got = _layer_shape(ckpt, prefix)
+            elif p.name in ckpt.entries:
+                known.add(p.name)
+                got = tuple(ckpt.entries[p.name][1]["shape"])
+            else:
+                missing.append(p.name)
+                continue
+            want = _slot_shape(value.shape, p, value.dim() == 3)
+            if got != want:
+                mismatch.append(f"{p.name}: checkpoint {got}, model {want}")
+    unused = sorted(set(ckpt.entries) - known)
+    if missing or unused or mismatch:
+        raise ExportError(_mismatch_message(model, missing, unused, mismatch))
 
 
 def _check_float(model: nn.Module) -> None:
