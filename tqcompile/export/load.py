@@ -55,8 +55,8 @@ def _read_json(path: str) -> dict | None:
 
 
 class _Checkpoint:
-    """The directory's safetensors tensors by name, each read when asked for (memory holds one
-    layer's tensors at a time), and which were read (so leftovers can be reported)."""
+    """The directory's safetensors tensors by name (their headers), each read when asked for:
+    memory holds one layer's tensors at a time."""
 
     def __init__(self, path: str):
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -67,12 +67,10 @@ class _Checkpoint:
             full = os.path.join(path, f)
             header, start = read_safetensors_header(full)
             self.entries.update({k: (full, e, start) for k, e in header.items()})
-        self.used: set[str] = set()
 
     def get(self, name: str) -> torch.Tensor | None:
         if name not in self.entries:
             return None
-        self.used.add(name)
         return load_tensor(*self.entries[name])
 
     def layer_prefixes(self) -> list[str]:
