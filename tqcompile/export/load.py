@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import torch
@@ -104,8 +105,6 @@ def _quantization_config(path: str) -> tuple[dict, dict]:
 def _matches(target: str, prefix: str, model: nn.Module) -> int:
     """How well a compressed-tensors target names the layer `prefix`: 3 by exact name, 2 by a
     "re:" regex, 1 by class name ("Linear": every layer the engines quantize), 0 not at all."""
-    import re
-
     if target == prefix:
         return 3
     if target.startswith("re:"):
