@@ -6,7 +6,7 @@ from tqcompile import calibration, configs, distributed, nn, optim, recipes  # n
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.calibration import calibrate, quant_state, restore, summary
 from tqcompile.conversion import convert
-from tqcompile.export import export
+from tqcompile.export import export, load_exported
 from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,
@@ -48,6 +48,7 @@ __all__ = [
     "restore",
     "distributed",
     "export",
+    "load_exported",
     "lift_quantizers",
 ]
 

@@ -1,0 +1,456 @@
+"""`tq.load_exported`: a compressed-tensors or ModelOpt checkpoint back into a tq calibrated model,
+to evaluate it as the engines would, fine-tune it (QAT) or export it again.
+
+The inverse of `tq.export`, step by step:
+
+- each quantized layer of the checkpoint is read back in tq's terms (`decode`: quantizers from the
+  export's own scheme mapping, amaxes whose scales are the checkpoint's, the weight dequantized by
+  tq's kernel);
+- checkpoint names go back to the model's tensors through the very map the export writes with
+  (`names.placements`, which asks transformers' save-time conversion): a per-expert
+  ``experts.3.gate_proj.weight`` is expert 3, rows [0, I) of the fused ``experts.gate_up_proj``;
+  its scales fill the same rows of the experts GEMM's per-expert amaxes;
+- the model is converted as `tq.calibrate` converts it (`tq.calibration.prepare`, with one rule
+  per quantized layer naming its quantizers) and the amaxes are set: a calibrated model, which
+  `tq.quant_state`, `tq.summary`, QAT and `tq.export` take as they take any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+
+import torch
+from torch import nn
+
+from tqcompile.calibration.calibrate import CalibrationWarning, prepare
+from tqcompile.calibration.config import QuantConfig, QuantRule
+from tqcompile.calibration.fake_quant import static_amax_kind
+from tqcompile.calibration.modules import (
+    ExpertGemmQuantizers,
+    canonical_modules,
+    holds_quantizers,
+    kind_of,
+    module_device,
+    quant_units,
+)
+from tqcompile.export.decode import DecodedLayer, LayerScheme, ct_scheme, decode_layer, modelopt_scheme, with_scale_rules
+from tqcompile.export.names import Placement, placements
+from tqcompile.export.safetensors_io import load_tensor, read_safetensors_header
+from tqcompile.export.units import ExportError
+from tqcompile.nn.base import is_converted
+from tqcompile.quantizers import Granularity
+
+__all__ = ["load_exported"]
+
+_METHODS = ("compressed-tensors", "modelopt")
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+class _Checkpoint:
+    """The directory's safetensors tensors by name (their headers), each read when asked for:
+    memory holds one layer's tensors at a time."""
+
+    def __init__(self, path: str):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ExportError(f"tq.load_exported: {path!r} holds no .safetensors file")
+        self.entries: dict[str, tuple[str, dict, int]] = {}
+        for f in files:
+            full = os.path.join(path, f)
+            header, start = read_safetensors_header(full)
+            self.entries.update({k: (full, e, start) for k, e in header.items()})
+
+    def get(self, name: str) -> torch.Tensor | None:
+        if name not in self.entries:
+            return None
+        return load_tensor(*self.entries[name])
+
+    def layer_prefixes(self) -> list[str]:
+        """The quantized layers: every name that holds a ``weight_scale``."""
+        return sorted(k[: -len(".weight_scale")] for k in self.entries if k.endswith(".weight_scale"))
+
+
+def _quantization_config(path: str) -> tuple[dict, dict]:
+    """(config.json, its quantization_config); ModelOpt's hf_quant_config.json stands in for a
+    config.json that has none."""
+    config = _read_json(os.path.join(path, "config.json"))
+    if config is None:
+        raise ExportError(f"tq.load_exported: {path!r} has no config.json; pass a directory tq.export or save_pretrained wrote")
+    qc = config.get("quantization_config")
+    if qc is None:
+        hf = _read_json(os.path.join(path, "hf_quant_config.json"))
+        qc = None if hf is None else {"quant_method": "modelopt", **hf}
+    if qc is None:
+        raise ExportError(
+            f"tq.load_exported: {path!r}'s config.json has no quantization_config (and there is no hf_quant_config.json): "
+            "it is not a quantized checkpoint; load a float model with from_pretrained and tq.calibrate it"
+        )
+    method = qc.get("quant_method")
+    if method not in _METHODS:
+        raise ExportError(f"tq.load_exported: quant_method={method!r} is not allowed; allowed: {', '.join(map(repr, _METHODS))}")
+    if method == "compressed-tensors" and qc.get("kv_cache_scheme"):
+        raise ExportError("tq.load_exported: the checkpoint quantizes the KV cache (kv_cache_scheme); tq loads weight and input quantization only")
+    return config, qc
+
+
+def _matches(target: str, prefix: str, model: nn.Module) -> int:
+    """How well a compressed-tensors target names the layer `prefix`: 3 by exact name, 2 by a
+    "re:" regex, 1 by class name ("Linear": every layer the engines quantize), 0 not at all."""
+    if target == prefix:
+        return 3
+    if target.startswith("re:"):
+        return 2 if re.match(target[3:], prefix) else 0
+    if target == "Linear":
+        return 1
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        return 0
+    return 1 if any(c.__name__ == target for c in type(module).__mro__) else 0
+
+
+def _scheme_resolver(qc: dict, model: nn.Module):
+    """prefix -> LayerScheme, per the checkpoint's config (one ModelOpt algo; compressed-tensors:
+    the config group whose targets name the layer best)."""
+    if qc["quant_method"] == "modelopt":
+        algo = (qc.get("quantization") or qc).get("quant_algo")
+        scheme = modelopt_scheme(algo)
+        return lambda prefix: scheme
+    groups = qc.get("config_groups") or {}
+    cache: dict[str, LayerScheme] = {}
+
+    def resolve(prefix: str) -> LayerScheme:
+        ranked = [(max((_matches(t, prefix, model) for t in g.get("targets", ())), default=0), name) for name, g in groups.items()]
+        best = max(ranked, default=(0, None))
+        if best[0] == 0:
+            raise ExportError(f"tq.load_exported: layer {prefix!r} holds quantized tensors but no config group targets it")
+        if best[1] not in cache:
+            cache[best[1]] = ct_scheme(groups[best[1]], prefix, best[1], qc.get("format"))
+        return cache[best[1]]
+
+    return resolve
+
+
+def _build_model(path: str, config: dict, dtype: torch.dtype) -> nn.Module:
+    if "model_type" not in config:
+        raise ExportError(
+            f"tq.load_exported: {path!r}'s config.json names no model_type (not a transformers checkpoint); "
+            "pass the model to fill: tq.load_exported(path, model=build_model())"
+        )
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(path)
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config  # else transformers would quantize the model it builds
+    return AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+
+
+def _unit_by_weight_key(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """{state_dict key of a GEMM weight: (unit name, unit)} for the layers tq can fake-quantize."""
+    out = {}
+    for name, m in quant_units(model):
+        found = kind_of(m)
+        if isinstance(m, ExpertGemmQuantizers):
+            owner = name.rpartition(".")[0]
+            out[f"{owner}.{m.gemm.weight}" if owner else m.gemm.weight] = (name, m)
+        elif found is not None and found[0] in ("Linear", "GroupedLinear"):
+            out[f"{name}.weight" if name else "weight"] = (name, m)
+    return out
+
+
+def _prefix(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor, p: Placement, experts: bool, block: int, mismatch: list[str], what: str) -> None:
+    """Write `src` where placement `p` took it from (the inverse of the export's `_split`):
+    expert `p.expert`, rows `p.rows` (`block` > 1: one entry per `block` rows)."""
+    d = dst[p.expert] if experts and p.expert is not None else dst
+    rows = p.rows if p.rows is not None and d.dim() > 0 else None
+    if rows is not None and block > 1:
+        first, n = int(rows[0]), rows.numel()
+        if first % block or n % block:
+            mismatch.append(f"{what}: rows {first}..{first + n} do not align with {block}-row scale blocks")
+            return
+        rows = torch.arange(first // block, (first + n) // block)
+    shape = tuple(d.shape) if rows is None else (rows.numel(), *d.shape[1:])
+    if shape != tuple(src.shape):
+        mismatch.append(f"{what}: checkpoint {tuple(src.shape)}, model {shape}")
+    elif rows is None:
+        d.copy_(src)
+    else:
+        d[rows] = src.to(d.dtype)
+
+
+class _Unit:
+    """What the loader sets on one of the model's quantized GEMMs."""
+
+    def __init__(self, name: str, scheme: LayerScheme):
+        self.name, self.scheme = name, scheme
+        self.weight_amax: torch.Tensor | None = None
+        self.input_amax: torch.Tensor | None = None
+
+
+def _tensor_amax(parts: list[tuple[Placement, torch.Tensor]], experts: int | None, notes: list[str], what: str) -> torch.Tensor:
+    """A tensor-level amax from the checkpoint layers an engine would fuse (per expert for
+    experts): the max of theirs, said in a note where they differ (vLLM requantizes so too)."""
+    if experts is None:
+        vals = torch.stack([a.reshape(()) for _, a in parts])
+        if bool((vals != vals[0]).any()):
+            notes.append(f"{what}: {len(parts)} checkpoint layers with different scales share one in the model (their max)")
+        return vals.max()
+    out = torch.full((experts,), -1.0)
+    for p, a in parts:
+        e = p.expert if p.expert is not None else 0
+        if out[e] >= 0 and out[e] != a.reshape(()):
+            notes.append(f"{what}: expert {e}'s layers have different scales; the model shares one (their max)")
+        out[e] = torch.maximum(out[e], a.reshape(()))
+    return out
+
+
+def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a compressed-tensors or ModelOpt checkpoint (written by `tq.export`, llmcompressor,
+    ModelOpt, ...) as a tq calibrated model: the fake-quantized modules `tq.calibrate` makes, whose
+    float weights are the checkpoint's weights as tq dequantizes them and whose quantizers and
+    static amaxes reproduce the checkpoint's scheme and scales. It evaluates as the checkpoint
+    quantizes, fine-tunes with QAT, and exports again (`tq.export`) to the same payloads.
+
+    Args:
+        path: the checkpoint directory (config.json with a ``quantization_config``, or ModelOpt's
+            hf_quant_config.json, and safetensors files, sharded or not).
+        model: the float model to fill, of the checkpoint's architecture (freshly built, not yet
+            quantized). None: a transformers model built from the directory's config.json
+            (``AutoModelForCausalLM.from_config``, without the quantization_config), in eval mode.
+        dtype: the parameter dtype of the model built when `model` is None (float32: QAT keeps
+            float32 master weights); a given model keeps its own.
+
+    Scales map back to amaxes exactly for checkpoints tq wrote (calibrated, QAT or `tq.convert`
+    models): the loaded model computes the exported model's logits bit for bit and exports to the
+    same bytes. A scale another tool computed as ``amax / qmax`` may have no exact tq amax; the
+    nearest is used (an fp32 ulp of the scale away) and a `CalibrationWarning` says how many.
+    Integer codes -128 (INT8) and -8 (INT4), which llmcompressor writes, stay in the float
+    weights but compute as -127 and -7 (tq's integer quantizers are symmetric), also warned.
+    Scale rules a checkpoint does not record are read off its scales: FP8 scales that are all
+    powers of two load as ``power_of_two_scale``; MX blocks that only the RCEIL rule writes, as
+    RCEIL. Dynamic per-tensor activations (a training recipe's export) keep no amax.
+
+    Raises:
+        ExportError: no quantization_config; a scheme tq cannot express (names the layer and the
+            scheme); a model whose tensors do not match the checkpoint's (names them).
+
+    Example:
+        >>> model = tq.load_exported("llama-int8")            # a calibrated tq model
+        >>> model.train(); loss = model(ids, labels=ids).loss  # QAT continues from it
+    """
+    config, qc = _quantization_config(path)
+    ckpt = _Checkpoint(path)
+    if model is None:
+        model = _build_model(path, config, dtype)
+    _check_float(model)
+    resolve = _scheme_resolver(qc, model)
+    modelopt = qc["quant_method"] == "modelopt"
+    quantized = set(ckpt.layer_prefixes())
+    state = _untied_state(model)
+    where = placements(model, {k: v.shape for k, v in state.items()})
+    units_by_key = _unit_by_weight_key(model)
+    _precheck(model, ckpt, state, where, quantized, units_by_key, resolve)
+    # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
+    # in place (memory holds the model and one layer, not a second copy of the model).
+    units: list[tuple[nn.Module, _Unit]] = []
+    mismatch, notes, counts = [], [], {"inexact": 0, "beyond": 0, "rceil": 0, "fp8": 0, "pow2": 0}
+    with torch.no_grad():
+        for key, value in state.items():
+            ps, target = where[key], value.detach()
+            if key not in units_by_key or not any(_prefix(p.name) in quantized for p in ps):
+                for p in ps:
+                    _put(target, ckpt.get(p.name), p, value.dim() == 3, 1, mismatch, p.name)
+                continue
+            name, unit_module = units_by_key[key]
+            dst = torch.empty(value.shape, dtype=torch.float32)
+            units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, notes, counts)))
+            target.copy_(dst)
+    if mismatch:
+        raise ExportError(_mismatch_message(model, [], [], mismatch))
+    _warn(notes, counts, path)
+    # One scale rule for the model, as the scales show: MX blocks that only RCEIL gives, in any
+    # layer (a layer whose blocks cannot tell takes the others'); FP8 scales all powers of two.
+    rceil, pow2 = counts["rceil"] > 0, counts["fp8"] > 0 and counts["pow2"] == counts["fp8"]
+    for _, u in units:
+        u.scheme = with_scale_rules(u.scheme, rceil=rceil, pow2=pow2)
+    _convert(model, units)
+    return model
+
+
+# The tensors a checkpoint layer may hold (compressed-tensors' and ModelOpt's names); any other
+# tensor under a layer's name is one tq would drop, so it is reported instead.
+_LAYER_TENSORS = (
+    "weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
+    "weight_global_scale", "weight_scale_2", "input_scale", "input_global_scale",
+)
+
+
+def _layer_shape(ckpt: _Checkpoint, prefix: str) -> tuple[int, ...] | None:
+    """A quantized layer's (out, in), from its headers (and its small weight_shape tensor)."""
+    if f"{prefix}.weight_shape" in ckpt.entries:
+        return tuple(int(v) for v in ckpt.get(f"{prefix}.weight_shape"))
+    entry = ckpt.entries.get(f"{prefix}.weight_packed") or ckpt.entries.get(f"{prefix}.weight")
+    if entry is None:
+        return None
+    shape = list(entry[1]["shape"])
+    if entry[1]["dtype"] == "U8" and shape:  # two 4-bit elements a byte (NVFP4, MXFP4)
+        shape[-1] *= 2
+    return tuple(shape)
+
+
+def _slot_shape(shape: torch.Size, p: Placement, experts: bool) -> tuple[int, ...]:
+    s = tuple(shape[1:]) if experts and p.expert is not None else tuple(shape)
+    return (p.rows.numel(), *s[1:]) if p.rows is not None and s else s
+
+
+def _precheck(model, ckpt: _Checkpoint, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve) -> None:
+    """Names and shapes against the checkpoint's headers, and every quantized layer's scheme,
+    before any tensor is read or written: a checkpoint of another architecture changes nothing."""
+    missing, mismatch, known = [], [], set()
+    for key, value in state.items():
+        ps = where[key]
+        q_ps = [p for p in ps if _prefix(p.name) in quantized]
+        if q_ps and (len(q_ps) != len(ps) or key not in units_by_key):
+            raise ExportError(
+                f"tq.load_exported: the checkpoint quantizes {sorted(_prefix(p.name) for p in q_ps)}, which the model holds as "
+                f"{key!r}, {'partly in high precision' if key in units_by_key else 'not a layer tq quantizes (Linear or MoE experts)'}; "
+                "the model's architecture does not match the checkpoint's"
+            )
+        for p in ps:
+            if q_ps:
+                prefix = _prefix(p.name)
+                resolve(prefix)  # a scheme tq cannot express raises here, naming the layer
+                known.update(f"{prefix}.{t}" for t in _LAYER_TENSORS)
+                got = _layer_shape(ckpt, prefix)
+            elif p.name in ckpt.entries:
+                known.add(p.name)
+                got = tuple(ckpt.entries[p.name][1]["shape"])
+            else:
+                missing.append(p.name)
+                continue
+            want = _slot_shape(value.shape, p, value.dim() == 3)
+            if got != want:
+                mismatch.append(f"{p.name}: checkpoint {got}, model {want}")
+    unused = sorted(set(ckpt.entries) - known)
+    if missing or unused or mismatch:
+        raise ExportError(_mismatch_message(model, missing, unused, mismatch))
+
+
+def _check_float(model: nn.Module) -> None:
+    for name, m in canonical_modules(model):
+        if holds_quantizers(m) or is_converted(m):
+            raise ExportError(
+                f"tq.load_exported: module {name!r} of the model is already quantized ({type(m).__name__}); "
+                "pass a freshly built float model (or model=None to build it from the checkpoint's config)"
+            )
+
+
+def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict without tensors tied to an earlier one (as `tq.export` writes it)."""
+    seen, out = set(), {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if v is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        out[k] = v
+    return out
+
+
+def _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, notes, counts) -> _Unit:
+    experts = isinstance(unit_module, ExpertGemmQuantizers) or kind_of(unit_module)[0] == "GroupedLinear"
+    if isinstance(unit_module, ExpertGemmQuantizers) and unit_module.gemm.transposed:
+        raise ExportError(f"tq.load_exported: experts GEMM {name!r} stores its weight transposed (GPT-OSS); tq exports and loads none such")
+    layers: list[tuple[Placement, DecodedLayer]] = []
+    for p in ps:
+        prefix = _prefix(p.name)
+        scheme = resolve(prefix)
+        if experts and p.expert is None:
+            raise ExportError(f"tq.load_exported: layer {prefix!r} holds all experts in one tensor; tq loads per-expert layers")
+        layer = decode_layer(prefix, scheme, lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), modelopt)
+        layers.append((p, layer))
+        counts["inexact"] += layer.inexact
+        counts["beyond"] += layer.beyond_qmax
+        counts["rceil"] += layer.mx_rceil
+        if layer.pow2_scales is not None:
+            counts["fp8"] += 1
+            counts["pow2"] += layer.pow2_scales
+    first = layers[0][1].scheme
+    for p, layer in layers[1:]:
+        s = layer.scheme
+        if (s.weight_q, s.input_q, s.static_input) != (first.weight_q, first.input_q, first.static_input):
+            raise ExportError(
+                f"tq.load_exported: {_prefix(ps[0].name)!r} ({first.text}) and {_prefix(p.name)!r} ({s.text}) are one GEMM in the "
+                f"model ({name!r}) but quantized differently in the checkpoint; tq quantizes a GEMM one way"
+            )
+    unit = _Unit(name, first)
+    wq, n_exp = first.weight_q, (dst.shape[0] if experts else None)
+    for p, layer in layers:
+        _put(dst, layer.weight, p, experts, 1, mismatch, p.name)
+    kind = static_amax_kind(wq, "weight")
+    if kind == "tensor":
+        amax = _tensor_amax([(p, lay.weight_amax) for p, lay in layers], n_exp, notes, name)
+        unit.weight_amax = amax.reshape(-1, 1, 1) if experts else amax
+    elif kind == "unit":
+        unit.weight_amax = torch.zeros(wq.scale_shape(dst.shape))
+        block = wq.layout()[2] if wq.layout()[0] is Granularity.BLOCKWISE_2D else 1
+        for p, lay in layers:
+            _put(unit.weight_amax, lay.weight_amax, p, experts, block, mismatch, f"{p.name} scales")
+    if first.input_q is not None and first.static_input:
+        unit.input_amax = _tensor_amax([(p, lay.input_amax) for p, lay in layers], n_exp, notes, f"{name} input")
+    return unit
+
+
+def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]]) -> None:
+    """Convert as `tq.calibrate` does (every quantizable module; the loaded layers with their
+    checkpoint's quantizers), then set the amaxes. A dynamic per-tensor input (what `tq.export`
+    writes for a training recipe's activations) keeps no amax: its scale comes from each input,
+    as in the engines (calibration would have made it static)."""
+    rules = tuple(QuantRule(name=u.name, input=u.scheme.input_q or False, weight=u.scheme.weight_q, output=False) for _, u in units)
+    prepare(model, QuantConfig(rules))
+    for _, u in units:
+        m = model.get_submodule(u.name)
+        device = module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m)
+        if u.weight_amax is not None:
+            m.weight_quantizer.set_amax(u.weight_amax.to(device))
+        if u.scheme.input_q is not None:
+            m.input_quantizer.set_amax(None if u.input_amax is None else u.input_amax.to(device))
+
+
+def _mismatch_message(model: nn.Module, missing: list[str], unused: list[str], mismatch: list[str]) -> str:
+    def few(xs: list[str]) -> str:
+        return ", ".join(xs[:6]) + (f" and {len(xs) - 6} more" if len(xs) > 6 else "") if xs else "none"
+
+    return (
+        f"tq.load_exported: the model ({type(model).__name__}) does not match the checkpoint's architecture: "
+        f"tensors the model needs that the checkpoint lacks: {few(missing)}; checkpoint tensors the model has no place "
+        f"for: {few(unused)}; shapes that differ: {few(mismatch)}"
+    )
+
+
+def _warn(notes: list[str], counts: dict, path: str) -> None:
+    lines = list(dict.fromkeys(notes))
+    if counts["inexact"]:
+        lines.append(
+            f"{counts['inexact']} scales have no tq amax that gives them exactly (scales computed as amax / qmax, by another "
+            "tool): the nearest is used, an fp32 ulp of the scale away"
+        )
+    if counts["beyond"]:
+        lines.append(
+            f"{counts['beyond']} integer weight codes are -128 (INT8) or -8 (INT4), beyond tq's symmetric range: the model "
+            "keeps them in its float weight, and its fake quantization computes them as -127 / -7"
+        )
+    if lines:
+        warnings.warn(f"tq.load_exported({path!r}):\n  " + "\n  ".join(lines), CalibrationWarning, stacklevel=3)
