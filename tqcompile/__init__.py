@@ -6,6 +6,7 @@ from tqcompile import calibration, configs, distributed, nn, optim, recipes  # n
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.calibration import calibrate, quant_state, restore, summary
 from tqcompile.conversion import convert
+from tqcompile.export import export
 from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,
@@ -45,6 +46,7 @@ __all__ = [
     "quant_state",
     "restore",
     "distributed",
+    "export",
 ]
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.

@@ -1,0 +1,285 @@
+"""`tq.export`: a quantized model to a checkpoint a serving engine loads."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tqcompile.export import compressed_tensors as ct
+from tqcompile.export import modelopt as mo
+from tqcompile.export.names import Placement, is_hf_model, placements
+from tqcompile.export.safetensors_io import ShardedWriter, parse_size
+from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit, weight_tensor_amax
+from tqcompile.nn.histories import HISTORY_PREFIX
+from tqcompile.quantizers import NVFP4Quantizer
+
+__all__ = ["export", "ExportReport", "ExportRow", "FORMATS"]
+
+FORMATS = {"compressed-tensors": ct, "modelopt": mo}
+# Weights an engine fuses into one GEMM (vLLM's packed modules): an NVFP4 global scale is shared
+# across them, so each is exported with the max of their amaxes.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportRow:
+    """One exported layer: its name in the model, the scheme written and where its scales came from."""
+
+    layer: str
+    scheme: str
+    source: str
+    tensors: int
+
+
+@dataclasses.dataclass
+class ExportReport:
+    """What `tq.export` wrote: one row per quantized layer, the layers kept in high precision
+    (listed in the format's ignore / exclude list), the files and their bytes."""
+
+    path: str
+    format: str
+    rows: list[ExportRow]
+    ignored: list[str]
+    files: list[str]
+    bytes_written: int
+
+    def __str__(self) -> str:
+        lines = [f"tq.export -> {self.path} ({self.format}): {len(self.rows)} quantized layers, "
+                 f"{len(self.ignored)} kept in high precision, {len(self.files)} file(s), {self.bytes_written / 2**20:.1f} MiB"]
+        width = max((len(r.layer) for r in self.rows), default=5)
+        lines += [f"  {r.layer:<{width}}  {r.scheme}  ({r.source})" for r in self.rows]
+        return "\n".join(lines)
+
+
+def _check_path(path: str, overwrite: bool) -> None:
+    if os.path.isfile(path):
+        raise ExportError(f"tq.export: path {path!r} is a file; pass a directory (it is created if missing)")
+    if os.path.isdir(path) and os.listdir(path):
+        if not overwrite:
+            raise ExportError(
+                f"tq.export: directory {path!r} exists and is not empty ({len(os.listdir(path))} entries); "
+                "pass an empty or new directory, or overwrite=True to replace its checkpoint files"
+            )
+        for name in os.listdir(path):  # the previous checkpoint's shards, so none is left stale
+            if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+                os.remove(os.path.join(path, name))
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _writer_rank(model: nn.Module, path: str) -> bool:
+    """Whether this process writes. A sharded (DTensor) model exports collectively: every rank
+    calls `tq.export` with the same path (each tensor is gathered in turn), rank 0 writes."""
+    if not _is_sharded(model):
+        return True
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ExportError("tq.export: the model's parameters are DTensors (sharded) but no process group is initialized")
+    paths = [None] * dist.get_world_size()
+    dist.all_gather_object(paths, os.path.abspath(path))
+    if len(set(paths)) != 1:
+        raise ExportError(
+            f"tq.export of a sharded model is collective: every rank must pass the same path (rank 0 writes); got {sorted(set(paths))}"
+        )
+    return dist.get_rank() == 0
+
+
+def _shared_global_amax(units: list[ExportUnit], schemes: dict) -> dict[str, torch.Tensor]:
+    """For NVFP4 weights an engine fuses (q/k/v, gate/up under one parent), the max of their
+    tensor amaxes, by unit name: one global scale for the fused GEMM."""
+    by_parent: dict[tuple[str, tuple], list[ExportUnit]] = {}
+    for u in units:
+        parent, _, leaf = u.name.rpartition(".")
+        fam = next((f for f in FUSED_SIBLINGS if leaf in f), None)
+        if fam is not None and isinstance(u.weight_q, NVFP4Quantizer) and not u.experts:
+            by_parent.setdefault((parent, fam), []).append(u)
+    shared = {}
+    for group in by_parent.values():
+        if len(group) > 1:
+            top = torch.stack([weight_tensor_amax(u, u.weight()) for u in group]).amax()
+            shared.update({u.name: top for u in group})
+    return shared
+
+
+def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -> torch.Tensor:
+    if experts and p.expert is not None:
+        t = t[p.expert]
+    if p.rows is None or kind in ("tensor", "shape"):
+        return t
+    if kind == "rows":
+        return t[p.rows]
+    b = kind[1]  # ("blocks", b): one entry per b rows
+    first, n = int(p.rows[0]), p.rows.numel()
+    if first % b or n % b or not bool((p.rows == torch.arange(first, first + n)).all()):
+        raise ExportError(
+            f"tq.export: layer {unit_name!r} is written as separate weights of {n} rows from row {first}, which do not "
+            f"align with its {b}x{b} scale blocks; use a quantizer with row or 1-D block scales for it"
+        )
+    return t[first // b : (first + n) // b]
+
+
+def _prefix(key: str) -> str:
+    return key[: -len(".weight")] if key.endswith(".weight") else key
+
+
+def export(
+    model: nn.Module,
+    path: str,
+    *,
+    format: str = "compressed-tensors",
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> ExportReport | None:
+    """Write `model`'s quantized weights, scales and the rest of its state as a checkpoint that
+    serving engines load: safetensors (sharded above `max_shard_size`, with the index file) and,
+    for a Hugging Face model, `config.json` with its ``quantization_config`` (and, for
+    ``format="modelopt"``, ``hf_quant_config.json``) and `generation_config.json`, as
+    `save_pretrained` writes them; for any other module, the tensors and a `config.json` holding
+    the ``quantization_config``.
+
+    Args:
+        model: calibrated (`tq.calibrate`), QAT, or converted for training (`tq.convert`: the
+            recipe's weight format, activations dynamic). Layers kept in high precision are
+            listed in the format's ``ignore`` / ``exclude_modules`` and carry no scales.
+        path: a new or empty directory (`overwrite=True` replaces a checkpoint there).
+        format: "compressed-tensors" (vLLM, SGLang, transformers) or "modelopt" (vLLM, TensorRT-LLM).
+        dtype: the dtype of the tensors kept in high precision (norms, embeddings, biases, the
+            head); None keeps the model's. Scales keep the dtypes the format defines.
+        max_shard_size: bytes, or a string such as "5GB".
+        overwrite: replace the files of an existing checkpoint in `path`.
+
+    A sharded (FSDP2 / DTensor) model exports collectively: call it on every rank with the same
+    path; tensors are gathered one at a time and rank 0 writes (other ranks return None). Memory
+    holds one layer's tensors at a time.
+
+    Returns:
+        An `ExportReport` (printable): one row per quantized layer with the scheme written.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"tq.export: format={format!r} is not allowed; allowed: {', '.join(map(repr, FORMATS))}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"tq.export: dtype={dtype!r} is not allowed; allowed: None or a floating torch.dtype (torch.bfloat16)")
+    fmt = FORMATS[format]
+    limit = parse_size(max_shard_size)
+    units = collect_units(model)
+    if not units:
+        raise ExportError(
+            "tq.export: nothing in the model is quantized; calibrate it first (tq.calibrate(model, tq.configs.int8(), "
+            "forward_loop)) or convert it for training (tq.convert(model, recipe))"
+        )
+    schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
+    writes = _writer_rank(model, path)
+    if writes:
+        _check_path(path, overwrite)
+        os.makedirs(path, exist_ok=True)
+    state = model.state_dict(keep_vars=True)
+    state = {k: v for k, v in state.items() if not k.rsplit(".", 1)[-1].startswith(HISTORY_PREFIX) and v is not None}
+    state = _drop_tied(model, state, units)
+    where = placements(model, {k: v.shape for k, v in state.items()})
+    shared = _shared_global_amax(units, schemes)
+    by_key = {u.weight_key: u for u in units}
+    writer = ShardedWriter(path, limit) if writes else None
+    rows, groups, quantized_names = [], {}, set()
+    try:
+        for key, value in state.items():
+            unit = by_key.get(key)
+            if unit is None:
+                t = full_tensor(value)
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                for p in where[key]:
+                    if writer is not None:
+                        writer.add(p.name, _split(t, "rows", p, t.dim() == 3, key).clone())
+                continue
+            w = unit.weight()
+            qw = quantize_unit(unit, w, shared.get(unit.name))
+            out_rows, in_features = w.shape[-2], w.shape[-1]
+            scheme = schemes[unit.name]
+            tensors = fmt.layer_tensors(unit, scheme, qw, out_rows, in_features)
+            for p in where[key]:
+                prefix = _prefix(p.name)
+                quantized_names.add(prefix)
+                groups.setdefault(scheme, []).append(prefix)
+                for local, (t, kind) in tensors.items():
+                    if kind == "shape" and p.rows is not None:
+                        t = torch.tensor([p.rows.numel(), in_features], dtype=torch.int64)
+                    if writer is not None:
+                        writer.add(f"{prefix}.{local}", _split(t, kind, p, unit.experts, unit.name).clone())
+            rows.append(ExportRow(unit.name, scheme.describe(), unit.source, len(where[key])))
+        ignored = _ignored(model, where, quantized_names)
+        if writer is None:
+            return None
+        files = writer.finish()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    _write_configs(model, path, fmt, groups, ignored, dtype)
+    return ExportReport(path, format, rows, ignored, files, writer.total)
+
+
+def _drop_tied(model: nn.Module, state: dict, units: list[ExportUnit]) -> dict:
+    """Drop parameters tied to an earlier one (an LM head sharing the embedding): the loader
+    re-ties them, as after `save_pretrained`. A quantized layer tied to another cannot export."""
+    seen: dict[int, str] = {}
+    out = {}
+    unit_keys = {u.weight_key for u in units}
+    for k, v in state.items():
+        ident = id(v)
+        if ident in seen:
+            if k in unit_keys or seen[ident] in unit_keys:
+                raise ExportError(
+                    f"tq.export: {k!r} is tied to {seen[ident]!r} and one of them is quantized; a checkpoint cannot hold "
+                    "one tensor both quantized and not: keep both in high precision (the presets keep lm_head so)"
+                )
+            continue
+        seen[ident] = k
+        out[k] = v
+    return out
+
+
+def _ignored(model: nn.Module, where: dict, quantized: set[str]) -> list[str]:
+    """Checkpoint names of the linear layers (and experts modules) kept in high precision."""
+    from tqcompile.nn.experts import experts_layout
+
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and f"{name}.weight" in where:
+            names.update(_prefix(p.name) for p in where[f"{name}.weight"])
+        layout = experts_layout(module)
+        if layout is not None:
+            for g in layout.gemms:
+                for p in where.get(f"{name}.{g.weight}", ()):
+                    if _prefix(p.name) not in quantized:
+                        # vLLM matches an experts module by its own name: ``...experts``.
+                        names.add(p.name.split(f".{p.expert}.")[0] if p.expert is not None else name)
+    return sorted(n for n in names if n not in quantized)
+
+
+def _write_configs(model: nn.Module, path: str, fmt, groups: dict, ignored: list[str], dtype) -> None:
+    qconfig = fmt.quantization_config(groups, ignored)
+    for name, content in fmt.extra_files(groups, ignored).items():
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(content, f, indent=2)
+    if is_hf_model(model):
+        config = copy.deepcopy(model.config)
+        config.quantization_config = qconfig
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(path)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and getattr(model, "can_generate", lambda: False)():
+            gen.save_pretrained(path)
+    else:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({"quantization_config": qconfig}, f, indent=2)
