@@ -96,8 +96,11 @@ def serve(model_dir: str, requests_path: str, result_path: str, max_model_len: i
             for o in outs
         ]
     except Exception as e:  # noqa: BLE001 - the point is to record why vLLM refused the checkpoint
+        import traceback
+
+        traceback.print_exc()  # the whole story goes to the log; the table gets the gist
         result["startup_s"] = time.perf_counter() - t0
-        result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        result["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:300]
     Path(result_path).write_text(json.dumps(result))
 
 
@@ -276,8 +279,13 @@ def main() -> None:
 
     out = Path(args.out or tempfile.mkdtemp(prefix="tq_vllm_"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"building and training the model ({args.steps} steps) ...", flush=True)
-    base = build_model(args.steps)
+    cached = out / f"_trained_base_{args.steps}_steps"
+    if (cached / "config.json").exists():  # a rerun with the same --out skips the training
+        base = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.bfloat16).eval()
+    else:
+        print(f"building and training the model ({args.steps} steps) ...", flush=True)
+        base = build_model(args.steps)
+        base.save_pretrained(cached)
     prompts = [list(s.encode()) for s in PROMPTS]
     batches = calibration_batches()
 
