@@ -70,6 +70,28 @@ def _hf_checkpointing_fsdp(rank, mesh) -> dict:
     return {"fsdp": _train(model), "single": _single(tq.recipes.mxfp8())}
 
 
+def _export_fsdp(rank, mesh, out_dir) -> dict:
+    # tq.export of an FSDP2-sharded model (issue 17): collective, one tensor gathered at a time,
+    # rank 0 writes; the files equal a one-process export of the same model byte for byte.
+    import hashlib
+    import os
+
+    def digest(path):
+        return {f: hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest() for f in sorted(os.listdir(path))}
+
+    single = tq.convert(tiny_llama(), tq.recipes.mxfp8(), filter_fn=keep_lm_head)
+    sharded = copy.deepcopy(single)
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    report = tq.export(sharded, f"{out_dir}/fsdp", dtype=torch.bfloat16, max_shard_size="200KB")
+    out = {"returned": None if report is None else len(report.rows), "wrong_path": _error(lambda: tq.export(sharded, f"{out_dir}/r{rank}"))}
+    if rank == 0:
+        tq.export(single, f"{out_dir}/single", dtype=torch.bfloat16, max_shard_size="200KB")
+        out["fsdp"], out["single"] = digest(f"{out_dir}/fsdp"), digest(f"{out_dir}/single")
+    return out
+
+
 def _error(fn) -> tuple[str, str]:
     try:
         fn()
@@ -128,8 +150,10 @@ def _fsdp_peer_unconverted(rank, mesh) -> tuple[str, str, float]:
 def _checks(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    checks = [_sp_parity, _hf_checkpointing_fsdp, _disagreements, _fsdp_peer_unconverted]  # the last breaks the group
-    results = run_checks(rank, [(check.__name__.lstrip("_"), functools.partial(check, rank, mesh)) for check in checks])
+    checks = [_sp_parity, _hf_checkpointing_fsdp, functools.partial(_export_fsdp, out_dir=out_dir), _disagreements, _fsdp_peer_unconverted]
+    # (the last check breaks the group)
+    names = [getattr(c, "func", c).__name__.lstrip("_") for c in checks]
+    results = run_checks(rank, [(n, functools.partial(check, rank, mesh)) for n, check in zip(names, checks)])
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -157,9 +181,17 @@ def test_hf_llama_two_ranks(tmp_path):
         assert kind == "ValueError" and "rank 0 has ColwiseParallel(" in msg and "rank 1 has RowwiseParallel(" in msg, msg
         kind, msg = errors["tp_unconverted"]
         assert kind == "ValueError" and "rank 0 has 'mxfp8'" in msg and "rank 1 has not converted" in msg, msg
+        # Issue 17: a sharded model exports collectively; other ranks write nothing and return None.
+        exp = ranks[rank]["export_fsdp"]
+        assert exp["returned"] == (7 * 2 if rank == 0 else None)
+        kind, msg = exp["wrong_path"]
+        assert kind == "ExportError" and "every rank must pass the same path" in msg, msg
         kind, msg = errors["fsdp_recipe"]
         assert kind == "ValueError" and "tq FSDP2 quantized all-gather: layer" in msg, msg
         assert "rank 0 has 'fp8_tensorwise'" in msg and "rank 1 has 'fp8_delayed'" in msg, msg
+
+    exp = ranks[0]["export_fsdp"]
+    assert len(exp["fsdp"]) > 3 and exp["fsdp"] == exp["single"]  # several shards + index + configs, byte for byte
 
     # A rank that never converted: the converted one names the layer and the missing rank; the other
     # fails in FSDP2's all-gather as soon as its peer leaves (nothing waits for the process group timeout).

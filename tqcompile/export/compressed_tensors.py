@@ -45,7 +45,7 @@ class Scheme:
     def to_dict(self, targets: list[str]) -> dict:
         return {
             "targets": targets,
-            "weights": dict(self.weights),
+            "weights": {k: list(v) if isinstance(v, tuple) else v for k, v in self.weights},
             "input_activations": None if self.inputs is None else dict(self.inputs),
             "output_activations": None,
             "format": self.format,
@@ -98,7 +98,7 @@ def _weights_args(unit: ExportUnit) -> tuple[tuple, str]:
         elif gran is Granularity.BLOCKWISE_1D:
             args = _args(bits, kind, "group", group_size=block)
         elif gran is Granularity.BLOCKWISE_2D and kind == "float":
-            args = _args(bits, kind, "block", block_structure=[block, block])
+            args = _args(bits, kind, "block", block_structure=(block, block))
         else:
             raise _refuse(unit, "weight", q, _WEIGHT_WORKS)
         if kind == "int" and (bits == 4 or unit.input_q is None):

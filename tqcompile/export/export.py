@@ -93,7 +93,36 @@ def _writer_rank(model: nn.Module, path: str) -> bool:
     return dist.get_rank() == 0
 
 
-def _shared_global_amax(units: list[ExportUnit], schemes: dict) -> dict[str, torch.Tensor]:
+def _dcp_reader(checkpoint):
+    """Read one model tensor at a time from a DCP checkpoint written by
+    `tq.distributed.checkpoint.save` (any number of ranks), in this one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from tqcompile.distributed.checkpoint import _FUSED_KEY, _dcp
+
+    reader = dcp.FileSystemReader(str(checkpoint))
+    meta = reader.read_metadata().state_dict_metadata
+    fused = {}
+    if _FUSED_KEY in meta:
+        holder = {_FUSED_KEY: ""}
+        _dcp(dcp.load, holder, checkpoint)
+        fused = json.loads(holder[_FUSED_KEY])
+
+    def read(key: str, value: torch.Tensor) -> torch.Tensor:
+        entry = meta.get(f"model.{key}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ExportError(f"tq.export: the DCP checkpoint {str(checkpoint)!r} holds no model tensor {key!r}; was it saved from this model?")
+        if f"model/{key}" in fused:
+            raise ExportError(f"tq.export: {key!r} is saved as fused tensor-parallel chunks; load the checkpoint into the model and export that")
+        holder = {"model": {key: torch.empty(entry.size, dtype=entry.properties.dtype)}}
+        _dcp(dcp.load, holder, checkpoint)
+        return holder["model"][key]
+
+    return read
+
+
+def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, read) -> dict[str, torch.Tensor]:
     """For NVFP4 weights an engine fuses (q/k/v, gate/up under one parent), the max of their
     tensor amaxes, by unit name: one global scale for the fused GEMM."""
     by_parent: dict[tuple[str, tuple], list[ExportUnit]] = {}
@@ -105,7 +134,7 @@ def _shared_global_amax(units: list[ExportUnit], schemes: dict) -> dict[str, tor
     shared = {}
     for group in by_parent.values():
         if len(group) > 1:
-            top = torch.stack([weight_tensor_amax(u, u.weight()) for u in group]).amax()
+            top = torch.stack([weight_tensor_amax(u, read(u.weight_key, state[u.weight_key])) for u in group]).amax()
             shared.update({u.name: top for u in group})
     return shared
 
@@ -139,6 +168,7 @@ def export(
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    checkpoint: str | os.PathLike | None = None,
 ) -> ExportReport | None:
     """Write `model`'s quantized weights, scales and the rest of its state as a checkpoint that
     serving engines load: safetensors (sharded above `max_shard_size`, with the index file) and,
@@ -157,6 +187,11 @@ def export(
             head); None keeps the model's. Scales keep the dtypes the format defines.
         max_shard_size: bytes, or a string such as "5GB".
         overwrite: replace the files of an existing checkpoint in `path`.
+        checkpoint: a DCP checkpoint directory (`tq.distributed.checkpoint.save`, from any number of
+            ranks) to read the tensors from, one at a time, instead of from `model`, which then
+            only gives the structure: build it on the meta device and convert it as it was trained
+            (``with torch.device("meta"): model = ...; tq.convert(model, recipe)``). One process,
+            no process group, memory for one layer.
 
     A sharded (FSDP2 / DTensor) model exports collectively: call it on every rank with the same
     path; tensors are gathered one at a time and rank 0 writes (other ranks return None). Memory
@@ -178,7 +213,8 @@ def export(
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
-    writes = _writer_rank(model, path)
+    writes = True if checkpoint is not None else _writer_rank(model, path)
+    read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
     if writes:
         _check_path(path, overwrite)
         os.makedirs(path, exist_ok=True)
@@ -186,7 +222,7 @@ def export(
     state = {k: v for k, v in state.items() if not k.rsplit(".", 1)[-1].startswith(HISTORY_PREFIX) and v is not None}
     state = _drop_tied(model, state, units)
     where = placements(model, {k: v.shape for k, v in state.items()})
-    shared = _shared_global_amax(units, schemes)
+    shared = _shared_global_amax(units, schemes, state, read)
     by_key = {u.weight_key: u for u in units}
     writer = ShardedWriter(path, limit) if writes else None
     rows, groups, quantized_names = [], {}, set()
@@ -194,14 +230,14 @@ def export(
         for key, value in state.items():
             unit = by_key.get(key)
             if unit is None:
-                t = full_tensor(value)
+                t = read(key, value)
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
                 for p in where[key]:
                     if writer is not None:
                         writer.add(p.name, _split(t, "rows", p, t.dim() == 3, key).clone())
                 continue
-            w = unit.weight()
+            w = read(key, value)
             qw = quantize_unit(unit, w, shared.get(unit.name))
             out_rows, in_features = w.shape[-2], w.shape[-1]
             scheme = schemes[unit.name]

@@ -18,7 +18,7 @@ Three kinds of model hold quantized GEMMs:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -56,8 +56,8 @@ class ExportUnit:
 
     `name` is the canonical name of the quantized module (an experts GEMM: ``<experts>.<weight>_gemm``);
     `weight_key` / `bias_key` the model's `state_dict` keys of its weight and bias. The weight is
-    (out, in), or (E, out, in) for experts (`experts` True), and is read by `weight()` only when
-    written (an export streams: one unit's tensors at a time). `weight_amax` is the static amax the
+    (out, in), or (E, out, in) for experts (`experts` True), read from the `state_dict` entry only
+    when written (an export streams: one unit's tensors at a time). `weight_amax` is the static amax the
     model quantizes the weight with (None: computed from the weight, as training does);
     `input_amax` the static input amax (None: dynamic scales, computed by the engine from each input).
     """
@@ -70,7 +70,6 @@ class ExportUnit:
     input_q: Quantizer | None
     input_amax: torch.Tensor | None
     experts: bool
-    weight: Callable[[], torch.Tensor]
     source: str  # "calibrated" or "recipe <name>", for the report
 
 
@@ -115,14 +114,12 @@ def _calibrated_unit(name: str, module: nn.Module, qs: dict) -> ExportUnit | Non
         _check_not_transposed(name, module.gemm.transposed)
         weight_key = f"{owner_name}.{module.gemm.weight}"
         bias_key = None if module.gemm.bias is None else f"{owner_name}.{module.gemm.bias}"
-        get = lambda m=module: full_tensor(m.owner._parameters[m.gemm.weight])  # noqa: E731
     else:
         weight_key = f"{name}.weight"
         bias_key = f"{name}.bias" if getattr(module, "bias", None) is not None else None
-        get = lambda m=module: full_tensor(m.weight)  # noqa: E731
     iq, iamax = _input_slot(i.quantizer, i.amax) if i.enabled else (None, None)
     wamax = None if w.amax is None else w.amax.detach().float()
-    return ExportUnit(name, weight_key, bias_key, w.quantizer, wamax, iq, iamax, experts, get, "calibrated")
+    return ExportUnit(name, weight_key, bias_key, w.quantizer, wamax, iq, iamax, experts, "calibrated")
 
 
 def _check_not_transposed(name: str, transposed: bool) -> None:
@@ -138,17 +135,19 @@ def _recipe_units(name: str, module: nn.Module) -> Iterator[ExportUnit]:
     recipe = module.recipe
     wq, iq = recipe.fprop_weight, recipe.fprop_input
     src = f"recipe {recipe.name}"
+    if isinstance(iq, NVFP4Quantizer):
+        # An NVFP4 activation's global scale is static in every serving format, and training
+        # computed it from each input: without a calibrated amax, the weights export alone.
+        iq, src = None, src + "; activations 16-bit: calibrate an NVFP4 input amax (tq.calibrate) for W4A4"
     if isinstance(module, QuantizedExperts):
         for g in module.tq_experts_layout.gemms:
             unit_name = f"{name}.{g.weight}_gemm"
             _check_not_transposed(unit_name, g.transposed)
-            get = lambda m=module, p=g.weight: full_tensor(m._parameters[p])  # noqa: E731
             bias = None if g.bias is None else f"{name}.{g.bias}"
-            yield ExportUnit(unit_name, f"{name}.{g.weight}", bias, wq, None, iq, None, True, get, src)
+            yield ExportUnit(unit_name, f"{name}.{g.weight}", bias, wq, None, iq, None, True, src)
     elif isinstance(module, (QuantLinear, GroupedLinear)):
         bias = f"{name}.bias" if module.bias is not None else None
-        get = lambda m=module: full_tensor(m.weight)  # noqa: E731
-        yield ExportUnit(name, f"{name}.weight", bias, wq, None, iq, None, isinstance(module, GroupedLinear), get, src)
+        yield ExportUnit(name, f"{name}.weight", bias, wq, None, iq, None, isinstance(module, GroupedLinear), src)
     else:
         raise ExportError(
             f"tq.export: {type(module).__name__} {name!r} was converted by tq.convert, but serving formats hold only "

@@ -1,0 +1,289 @@
+"""tq.export to compressed-tensors: compressed-tensors' own decompressors rebuild every exported
+weight bit for bit equal to the weight the tq model computes with, for every format, from PTQ and
+from training recipes, dense and MoE; bad input gets a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import tqcompile as tq
+from tqcompile.calibration import QuantRule
+from tqcompile.configs import GEMM_LAYERS, default_disabled
+from tqcompile.export import ExportError
+from tqcompile.export.safetensors_io import load_tensor, read_safetensors_header
+from tqcompile.formats import Format
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer
+
+ct = pytest.importorskip("compressed_tensors")
+transformers = pytest.importorskip("transformers")
+from compressed_tensors.compressors import BaseCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
+
+HIDDEN, INTER = 128, 256  # multiples of 128: FP8 128x128 blocks and INT4 groups of 128 fit
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+    )
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _config(weight, inputs) -> tq.calibration.QuantConfig:
+    return tq.calibration.QuantConfig((QuantRule(module_types=GEMM_LAYERS, input=inputs, weight=weight, must_match=False), *default_disabled()))
+
+
+def _configs() -> dict:
+    fp8_row = Float8Quantizer(granularity=Granularity.ROWWISE)
+    return {
+        "int8_static": tq.configs.int8(),
+        "int8_dynamic_token": _config(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE)),
+        "int4_g32": tq.configs.int4_weight_only(32),
+        "int4_g128": tq.configs.int4_weight_only(128),
+        "fp8_tensor": tq.configs.fp8(),
+        "fp8_channel_token": _config(fp8_row, fp8_row),
+        "fp8_block": _config(Float8Quantizer(granularity=Granularity.BLOCKWISE_2D), Float8Quantizer(granularity=Granularity.BLOCKWISE_1D)),
+        "mxfp8": tq.configs.mxfp8(),
+        "mxfp4": _config(MXQuantizer(Format.E2M1), MXQuantizer(Format.E2M1)),
+        "nvfp4": tq.configs.nvfp4(),
+    }
+
+
+def _calibrated(name: str, model: nn.Module | None = None) -> nn.Module:
+    model = tiny_llama() if model is None else model
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    tq.calibrate(model, _configs()[name], lambda m: m(ids), progress=False)
+    return model
+
+
+def _read(path: str) -> dict[str, torch.Tensor]:
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    out = {}
+    for f in files:
+        header, start = read_safetensors_header(os.path.join(path, f))
+        out.update({k: load_tensor(os.path.join(path, f), e, start) for k, e in header.items()})
+    return out
+
+
+def _decompress(path: str, tensors: dict, prefix: str) -> torch.Tensor:
+    """compressed-tensors' decompressor for the layer `prefix`, from the written config."""
+    qc = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    (group,) = [g for g in qc["config_groups"].values() if g["targets"] == ["Linear"] or prefix in g["targets"]]
+    scheme = QuantizationScheme.model_validate(group)
+    local = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1 :]}
+    compressor = BaseCompressor.get_value_from_registry(group["format"])
+    return compressor.decompress(local, scheme)["weight"]
+
+
+def _assert_bits(got: torch.Tensor, want_fp32: torch.Tensor, where: str) -> None:
+    want = want_fp32.to(got.dtype)
+    assert got.shape == want.shape, where
+    assert torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32), want.view(torch.int16 if got.element_size() == 2 else torch.int32)), where
+
+
+def _shared_nvfp4_amax(model: nn.Module, name: str, amax_of=lambda s: s.weight_quantizer.amax.reshape(())) -> torch.Tensor | None:
+    """The max amax over the layers an engine fuses with `name` (q/k/v, gate/up); None for others."""
+    parent, _, leaf = name.rpartition(".")
+    for fam in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        if leaf in fam:
+            return torch.stack([amax_of(model.get_submodule(f"{parent}.{s}")) for s in fam]).amax()
+    return None
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_ptq_export_decompresses_bit_for_bit(tmp_path, name):
+    model = _calibrated(name)
+    report = tq.export(model, str(tmp_path / "ckpt"))
+    path = str(tmp_path / "ckpt")
+    tensors = _read(path)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    assert len(report.rows) == len(linears) == 7
+    assert report.ignored == ["lm_head"] and not any(k.startswith("lm_head.") and k != "lm_head.weight" for k in tensors)
+    for n, m in linears:
+        with torch.no_grad():
+            if name == "nvfp4":
+                # The engines fuse q/k/v and gate/up under one global scale: exported with the max amax.
+                want = tq.quantize(m.weight, m.weight_quantizer.quantizer, amax=_shared_nvfp4_amax(model, n)).dequantize()
+            else:
+                want = m.weight_quantizer(m.weight)  # the fake-quantized weight the calibrated model computes with
+        _assert_bits(_decompress(path, tensors, n), want, f"{name} {n}")
+    for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(tensors[k], model.state_dict()[k]), k  # high-precision tensors as they are
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4"])
+def test_training_recipe_export_decompresses_bit_for_bit(tmp_path, recipe):
+    model = tq.convert(tiny_llama(), tq.recipes.get(recipe), filter_fn=lambda m, fqn: fqn != "lm_head")
+    path = str(tmp_path / "ckpt")
+    report = tq.export(model, path)
+    tensors = _read(path)
+    wq = tq.recipes.get(recipe).fprop_weight
+    n_layers = 0
+    for n, m in model.named_modules():
+        if tq.nn.is_converted(m):
+            n_layers += 1
+            with torch.no_grad():
+                # What training's forward GEMM uses; NVFP4's global amax shared by the weights an engine fuses.
+                amax = _shared_nvfp4_amax(model, n, lambda s: tq.ops.amax(s.weight, wq)) if recipe == "nvfp4" else None
+                want = tq.quantize(m.weight, wq, amax=amax).dequantize()
+            _assert_bits(_decompress(path, tensors, n), want, f"{recipe} {n}")
+    assert n_layers == len(report.rows) == 7
+    if recipe == "nvfp4":  # NVFP4 activations need a calibrated global amax: weight-only, said in the report
+        assert all("activations 16-bit" in r.scheme for r in report.rows)
+
+
+@pytest.mark.parametrize("kind,mode", [("mixtral", "calibrate"), ("qwen3_moe", "calibrate"), ("mixtral", "convert")])
+def test_moe_experts_export_per_expert_names_bit_for_bit(tmp_path, kind, mode):
+    from moe_models import tiny_hf_moe
+
+    model = tiny_hf_moe(kind, hidden=64, intermediate=64, layers=1, num_experts=4).eval()
+    if mode == "calibrate":
+        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(ids), progress=False)
+    else:
+        with pytest.warns(tq.nn.ConversionWarning, match="MoE router"):  # routers stay in high precision, said once
+            tq.convert(model, tq.recipes.mxfp8(), filter_fn=lambda m, fqn: fqn != "lm_head")
+    path = str(tmp_path / "ckpt")
+    tq.export(model, path)
+    tensors = _read(path)
+    names = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}[kind]
+    experts_name, experts = next((n, m) for n, m in model.named_modules() if n.endswith("experts"))
+    disk = experts_name.replace(".mlp.", ".block_sparse_moe.") if kind == "mixtral" else experts_name
+    with torch.no_grad():
+        if mode == "calibrate":
+            gate_up = experts.gate_up_proj_gemm.weight_quantizer(experts.gate_up_proj_gemm.weight)
+            down = experts.down_proj_gemm.weight_quantizer(experts.down_proj_gemm.weight)
+        else:  # each expert's weight as training's grouped GEMM quantizes it
+            wq = tq.recipes.mxfp8().fprop_weight
+            gate_up, down = (torch.stack([tq.quantize(w[e], wq).dequantize() for e in range(4)]) for w in (experts.gate_up_proj, experts.down_proj))
+    inter = gate_up.shape[1] // 2
+    for e in range(4):
+        for leaf, want in zip(names, (gate_up[e, :inter], gate_up[e, inter:], down[e])):
+            prefix = f"{disk}.{e}.{leaf}"
+            _assert_bits(_decompress(path, tensors, prefix), want, prefix)
+            assert (f"{prefix}.input_scale" in tensors) == (mode == "calibrate")
+    assert not any(".gate_up_proj" in k for k in tensors)  # the fused name never reaches the checkpoint
+    if mode == "calibrate":
+        # Shared input scale for gate and up (one input): what vLLM's fused w13 requires.
+        assert tensors[f"{disk}.0.{names[0]}.input_scale"].shape == (1,)
+        assert torch.equal(tensors[f"{disk}.0.{names[0]}.input_scale"], tensors[f"{disk}.0.{names[1]}.input_scale"])
+
+
+def test_sharded_files_and_index(tmp_path):
+    model = _calibrated("int8_static")
+    path = str(tmp_path / "ckpt")
+    report = tq.export(model, path, max_shard_size="40KB")
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    assert len(report.files) > 2 and set(index["weight_map"].values()) == set(report.files)
+    one = str(tmp_path / "one")
+    tq.export(model, one)
+    a, b = _read(path), _read(one)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in a.values())
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(ExportError, match="nothing in the model is quantized"):
+        tq.export(tiny_llama(), str(tmp_path / "a"))
+    model = _calibrated("int8_static")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ExportError, match="exists and is not empty"):
+        tq.export(model, str(tmp_path / "full"))
+    with pytest.raises(ValueError, match="format='gguf' is not allowed"):
+        tq.export(model, str(tmp_path / "b"), format="gguf")
+    # INT8 has no ModelOpt form: the error names the layer and what works.
+    with pytest.raises(ExportError, match=r"'model.layers.0.self_attn.q_proj'.*no ModelOpt form.*compressed-tensors"):
+        tq.export(model, str(tmp_path / "c"), format="modelopt")
+    assert not (tmp_path / "c").exists()  # refused before anything is written
+    e5m2 = _config(Float8Quantizer(Format.E5M2), None)
+    m2 = tiny_llama()
+    tq.calibrate(m2, e5m2, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
+    with pytest.raises(ExportError, match=r"q_proj.*E5M2.*no compressed-tensors form"):
+        tq.export(m2, str(tmp_path / "d"))
+
+
+def _modelopt_dequant(t: dict, prefix: str, algo: str) -> torch.Tensor:
+    """A ModelOpt layer dequantized the way its loaders define: ``q * weight_scale`` (NVFP4: times
+    ``weight_scale_2``), block scales repeated over their blocks."""
+    from tqcompile.kernels.reference import _unpack_nibbles, e2m1_decode
+
+    w, s = t[f"{prefix}.weight"], t[f"{prefix}.weight_scale"]
+    if algo == "MXFP8":
+        return w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, dim=-1)
+    if algo == "NVFP4":
+        vals = e2m1_decode(_unpack_nibbles(w))
+        return vals * (s.float().repeat_interleave(16, dim=-1) * t[f"{prefix}.weight_scale_2"])
+    if algo == "FP8_PB_WO":
+        return w.float() * s.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    return w.float() * s
+
+
+@pytest.mark.parametrize(
+    "name,algo", [("fp8_tensor", "FP8"), ("fp8_channel_token", "FP8_PER_CHANNEL_PER_TOKEN"), ("mxfp8", "MXFP8"), ("nvfp4", "NVFP4")]
+)
+def test_modelopt_export(tmp_path, name, algo):
+    model = _calibrated(name)
+    path = str(tmp_path / "ckpt")
+    tq.export(model, path, format="modelopt")
+    hf_quant = json.load(open(os.path.join(path, "hf_quant_config.json")))
+    assert hf_quant["quantization"]["quant_algo"] == algo and hf_quant["quantization"]["exclude_modules"] == ["lm_head"]
+    qc = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quantization"] == hf_quant["quantization"]
+    t = _read(path)
+    for n, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or n == "lm_head":
+            continue
+        with torch.no_grad():
+            amax = _shared_nvfp4_amax(model, n) if algo == "NVFP4" else None
+            want = tq.quantize(m.weight, m.weight_quantizer.quantizer, amax=amax).dequantize() if amax is not None else m.weight_quantizer(m.weight)
+        got = _modelopt_dequant(t, n, algo)
+        if algo == "NVFP4":
+            # weight_scale_2 is the fp32 reciprocal of tq's s_enc: one more rounding than tq's q * (s_blk / s_enc).
+            torch.testing.assert_close(got, want, rtol=2**-22, atol=0)
+        else:
+            assert torch.equal(got, want), n
+        assert (f"{n}.input_scale" in t) == (algo in ("FP8", "NVFP4"))
+
+
+def test_qat_export_after_training_steps(tmp_path):
+    """QAT moves the weights, not the calibrated amaxes: the export writes the weights the QAT model computes with."""
+    model = _calibrated("int8_static").train()
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(before, model.model.layers[0].mlp.down_proj.weight)
+    path = str(tmp_path / "ckpt")
+    tq.export(model.eval(), path)
+    t = _read(path)
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) and n != "lm_head":
+            with torch.no_grad():
+                _assert_bits(_decompress(path, t, n), m.weight_quantizer(m.weight), n)
+
+
+def test_export_from_dcp_checkpoint_on_meta_model(tmp_path):
+    """A training checkpoint (DCP, as FSDP2 saves it) exports from one process without the model in
+    memory: the model is built on the meta device for its structure, tensors are read one at a time."""
+    recipe = tq.recipes.mxfp8()
+    keep_head = lambda m, fqn: fqn != "lm_head"  # noqa: E731
+    trained = tq.convert(tiny_llama(), recipe, filter_fn=keep_head)
+    tq.distributed.checkpoint.save(trained, None, str(tmp_path / "dcp"))
+    with torch.device("meta"):
+        skeleton = tq.convert(tiny_llama(), recipe, filter_fn=keep_head)
+    tq.export(skeleton, str(tmp_path / "from_dcp"), dtype=torch.bfloat16, checkpoint=str(tmp_path / "dcp"))
+    tq.export(trained, str(tmp_path / "from_model"), dtype=torch.bfloat16)
+    a, b = _read(str(tmp_path / "from_dcp")), _read(str(tmp_path / "from_model"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "from_dcp" / "config.json")) == json.load(open(tmp_path / "from_model" / "config.json"))
