@@ -100,7 +100,11 @@ def serve(model_dir: str, requests_path: str, result_path: str, max_model_len: i
 
         traceback.print_exc()  # the whole story goes to the log; the table gets the gist
         result["startup_s"] = time.perf_counter() - t0
-        result["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        root = e  # torch.compile wraps a kernel's error ("Unsupported: Observed exception"): report the first cause
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        error = f"{type(e).__name__}: {e}" if root is e else f"{type(root).__name__}: {root} (raised as {type(e).__name__})"
+        result["error"] = " ".join(error.split())[:300]
     Path(result_path).write_text(json.dumps(result))
 
 
@@ -246,25 +250,32 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
-def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[int]]:
-    """tq's log-probability of each of `tokens` given the prompt and the tokens before it, and its argmax."""
+def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[float], int]:
+    """tq's log-probability of each of `tokens` given the prompt and the tokens before it, tq's top-1
+    log-probability at each position (equal to the first where vLLM's token is tq's top-1), and the number of
+    positions where tq's top two are exactly tied (bf16 logits tie often: greedy then picks by index)."""
     ids = torch.tensor([prompt + tokens[:-1]])
     logp = model(input_ids=ids).logits[0, len(prompt) - 1 :].float().log_softmax(-1)
-    return logp.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist(), logp.argmax(-1).tolist()
+    top2 = logp.topk(2, dim=-1).values
+    chosen = logp.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
+    return chosen.tolist(), top2[:, 0].tolist(), int((top2[:, 0] == top2[:, 1]).sum())
 
 
 def compare(model: torch.nn.Module, prompts: list[list[int]], served: dict, max_tokens: int) -> dict:
     """Greedy tokens and teacher-forced log-probabilities of `model` against vLLM's result."""
-    equal = total = argmax_equal = 0
-    max_dlp = 0.0
+    equal = total = argmax_equal = ties = 0
+    max_dlp, margins = 0.0, []
     for prompt, v_tokens, v_lp in zip(prompts, served["tokens"], served["logprobs"]):
         t_tokens = greedy(model, prompt, max_tokens)
         equal += sum(a == b for a, b in zip(t_tokens, v_tokens))
         total += max_tokens
-        t_lp, t_argmax = teacher_forced(model, prompt, v_tokens)
-        argmax_equal += sum(a == b for a, b in zip(t_argmax, v_tokens))
+        t_lp, t_top, n_ties = teacher_forced(model, prompt, v_tokens)
+        ties += n_ties
+        argmax_equal += sum(lp == top for lp, top in zip(t_lp, t_top))
+        # Where tq would have picked another token: by how much tq prefers it to vLLM's (a near-tie is small).
+        margins += [top - lp for lp, top in zip(t_lp, t_top) if lp != top]
         max_dlp = max(max_dlp, max(abs(a - b) for a, b in zip(t_lp, v_lp)))
-    return {"equal": equal, "total": total, "argmax_equal": argmax_equal, "max_dlp": max_dlp}
+    return {"equal": equal, "total": total, "argmax_equal": argmax_equal, "max_dlp": max_dlp, "margins": margins, "ties": ties}
 
 
 def main() -> None:
@@ -320,7 +331,9 @@ def main() -> None:
             (
                 name,
                 "yes",
-                f"{c['equal']}/{c['total']} (teacher-forced argmax {c['argmax_equal']}/{c['total']})",
+                f"{c['equal']}/{c['total']} (teacher-forced: vLLM's token is tq's top-1 at {c['argmax_equal']}/{c['total']}"
+                + (f", an exact tie in tq at {c['ties']}" if c["ties"] else "")
+                + (f"; tq's margin where not: {', '.join(f'{m:.3f}' for m in c['margins'])})" if c["margins"] else ")"),
                 f"{c['max_dlp']:.4f}",
                 f"{served['startup_s']:.0f}",
             )
