@@ -299,8 +299,8 @@ def main() -> None:
         print(f"building and training the model ({args.steps} steps) ...", flush=True)
         build_model(args.steps).save_pretrained(cached)
     # In bf16 as a user loads it, and as vLLM builds it: `from_pretrained(dtype=torch.bfloat16)` keeps RoPE's
-    # inv_freq in fp32, where `model.to(torch.bfloat16)` rounds it to bf16 (measured: that alone moved the INT8
-    # static row from 61/64 to 64/64 greedy tokens and its max |Δ logprob| from 0.116 to 0.145).
+    # inv_freq in fp32, where `model.to(torch.bfloat16)` rounds it to bf16 (measured on the INT8 static row: with
+    # the rounded inv_freq tq's greedy tokens happened to match 64/64 but max |Δ logprob| was 0.145; without, 0.116).
     base = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.bfloat16).eval()
     prompts = [list(s.encode()) for s in PROMPTS]
     batches = calibration_batches()
