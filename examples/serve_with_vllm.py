@@ -51,13 +51,17 @@ PROMPTS = ("The try statement ", "Class definitions ", "A lambda expression", "C
 BOUND = (
     "Expected bound: with the same quantized weights, vLLM and tq differ only where they compute "
     "differently: (a) activation quantization rounding (vLLM's kernels divide by the scale, tq multiplies "
-    "by its reciprocal, so an element within an ulp of a rounding midpoint can land one INT8/FP8 step "
-    "apart); (b) bf16 GEMMs and attention with other kernels and accumulation orders (the bf16 row "
-    "measures this alone). A log-probability here is a difference of logits of size ~10 computed in bf16 "
-    "(ulp 2^-4 at 8..16), so one bf16 rounding of a logit moves it by up to ~0.03-0.06; we expect every "
-    "|Δ logprob| within 0.1 for the bf16 row and within 0.25 for the quantized rows (an activation one "
-    "step off moves a few logits by a fraction of a step), and greedy tokens equal except after a "
-    "near-tie (top-2 log-probabilities within that bound), after which the continuations may diverge."
+    "by its reciprocal, so an element within an ulp of a rounding midpoint lands one INT8/FP8 step apart; "
+    "vLLM's INT8 also clamps to -128, tq's symmetric INT8 to -127); (b) tq's bf16 fake-quant model rounds each "
+    "dequantized weight and activation (q * scale) to bf16 before its GEMM (relative error up to 2^-9), where "
+    "vLLM's INT8/FP8 GEMMs multiply the integers / FP8 values exactly and scale the accumulator in fp32 (W4A16: "
+    "vLLM keeps group scales in the model dtype, so it rounds tq's fp32 scales to bf16 on load); (c) bf16 GEMMs "
+    "and attention with other kernels and accumulation orders (the bf16 row measures this alone). A "
+    "log-probability here is a difference of logits of size ~10 computed in bf16 (ulp 2^-4 at 8..16), so one "
+    "bf16 rounding of a logit moves it by up to ~0.03-0.06; we expect every |Δ logprob| within 0.1 for the "
+    "bf16 row and within 0.25 for the quantized rows, and greedy tokens equal except at a near-tie (tq's top "
+    "two within that bound, exact bf16 ties included, which greedy decoding breaks by token index), after "
+    "which the continuations may diverge."
 )
 
 
