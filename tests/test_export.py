@@ -14,7 +14,7 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.calibration import QuantRule
 from tqcompile.configs import GEMM_LAYERS, default_disabled
-from tqcompile.export import ExportError
+from tqcompile.export import ExportError, ExportWarning
 from tqcompile.export.safetensors_io import load_tensor, read_safetensors_header
 from tqcompile.formats import Format
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer
@@ -22,7 +22,7 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQ
 ct = pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme  # noqa: E402
 
 HIDDEN, INTER = 128, 256  # multiples of 128: FP8 128x128 blocks and INT4 groups of 128 fit
 
@@ -75,6 +75,7 @@ def _read(path: str) -> dict[str, torch.Tensor]:
 def _decompress(path: str, tensors: dict, prefix: str) -> torch.Tensor:
     """compressed-tensors' decompressor for the layer `prefix`, from the written config."""
     qc = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    QuantizationConfig.model_validate(qc)  # every field one compressed-tensors knows (its models forbid extra fields)
     (group,) = [g for g in qc["config_groups"].values() if g["targets"] == ["Linear"] or prefix in g["targets"]]
     scheme = QuantizationScheme.model_validate(group)
     local = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1 :]}
@@ -203,6 +204,10 @@ def test_bad_input(tmp_path):
     with pytest.raises(ExportError, match=r"'model.layers.0.self_attn.q_proj'.*no ModelOpt form.*compressed-tensors"):
         tq.export(model, str(tmp_path / "c"), format="modelopt")
     assert not (tmp_path / "c").exists()  # refused before anything is written
+    # A NaN amax (set by hand: calibration never makes one) never reaches a checkpoint.
+    model.model.layers[0].mlp.up_proj.input_quantizer.amax = torch.tensor(float("nan"))
+    with pytest.raises(ExportError, match=r"'model.layers.0.mlp.up_proj' has 1 non-finite input_scale"):
+        tq.export(model, str(tmp_path / "nan"))
     e5m2 = _config(Float8Quantizer(Format.E5M2), None)
     m2 = tiny_llama()
     tq.calibrate(m2, e5m2, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
@@ -291,3 +296,59 @@ def test_export_from_dcp_checkpoint_on_meta_model(tmp_path):
     a, b = _read(str(tmp_path / "from_dcp")), _read(str(tmp_path / "from_model"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(tmp_path / "from_dcp" / "config.json")) == json.load(open(tmp_path / "from_model" / "config.json"))
+
+
+def test_wrapped_model_exports_like_the_model(tmp_path):
+    """torch.compile's wrapper (its `_orig_mod.` names) changes nothing in the checkpoint."""
+    model = _calibrated("fp8_tensor")
+    tq.export(model, str(tmp_path / "plain"))
+    tq.export(torch.compile(model, backend="eager"), str(tmp_path / "compiled"))
+    a, b = _read(str(tmp_path / "plain")), _read(str(tmp_path / "compiled"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "plain" / "config.json")) == json.load(open(tmp_path / "compiled" / "config.json"))
+
+
+LLMC = os.path.join(os.path.dirname(__file__), "data", "llmcompressor")
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16", "FP8_DYNAMIC"])
+def test_same_layout_as_llmcompressor(tmp_path, scheme):
+    """What tq.export writes for a scheme has the names, shapes, dtypes and scheme fields of what
+    llmcompressor 0.14 writes for it (tests/data/llmcompressor: its own output on the same architecture)."""
+    theirs_cfg = json.load(open(os.path.join(LLMC, scheme, "config.json")))
+    qc_theirs = theirs_cfg.pop("quantization_config")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**theirs_cfg)).to(torch.bfloat16).eval()
+    fp8_row, int8_row = Float8Quantizer(granularity=Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE)
+    config = {"W8A8": _config(int8_row, int8_row), "W4A16": tq.configs.int4_weight_only(128), "FP8_DYNAMIC": _config(fp8_row, fp8_row)}[scheme]
+    tq.calibrate(model, config, lambda m: m(torch.zeros(1, 8, dtype=torch.long)), progress=False)
+    path = str(tmp_path / "ours")
+    tq.export(model, path)
+    ours, theirs = _read(path), _read(os.path.join(LLMC, scheme))
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    # Same dtypes, except scales: llmcompressor stores them in the model's dtype (bf16, rounded);
+    # tq in fp32, the scales the weights were quantized with (the engines read either into fp32).
+    for k, v in ours.items():
+        want = torch.float32 if k.endswith("_scale") else theirs[k].dtype
+        assert v.dtype == want and (not k.endswith("_scale") or theirs[k].dtype == torch.bfloat16), (k, v.dtype, theirs[k].dtype)
+    qc_ours = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    fields = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+    for part in ("weights", "input_activations"):
+        a, b = qc_ours["config_groups"]["group_0"][part], qc_theirs["config_groups"]["group_0"][part]
+        assert (a is None) == (b is None), part
+        if a is not None:
+            assert {f: a.get(f) for f in fields} == {f: b.get(f) for f in fields}, part
+    for key in ("format", "ignore", "quant_method", "quantization_status"):
+        assert qc_ours[key] == qc_theirs[key], key
+
+
+def test_fused_layers_quantized_differently_warn(tmp_path):
+    """k_proj/v_proj left in high precision (64 rows do not fit 128x128 blocks) beside a quantized
+    q_proj: vLLM refuses such a checkpoint, so the export says so, naming the layers."""
+    model = tiny_llama()
+    model.config.num_key_value_heads = 2
+    model = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    block = _config(Float8Quantizer(granularity=Granularity.BLOCKWISE_2D), None)
+    with pytest.warns(tq.calibration.CalibrationWarning):
+        tq.calibrate(model, block, lambda m: m(torch.zeros(1, 4, dtype=torch.long)), progress=False)
+    with pytest.warns(ExportWarning, match=r"self_attn.q_proj: naive-quantized .*self_attn.k_proj: high precision"):
+        tq.export(model, str(tmp_path / "x"))

@@ -19,6 +19,7 @@ from tqcompile.quantizers import (
 )
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
+from tqcompile.torch_export import lift_quantizers
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "restore",
     "distributed",
     "export",
+    "lift_quantizers",
 ]
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.

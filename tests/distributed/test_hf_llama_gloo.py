@@ -85,7 +85,11 @@ def _export_fsdp(rank, mesh, out_dir) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
     report = tq.export(sharded, f"{out_dir}/fsdp", dtype=torch.bfloat16, max_shard_size="200KB")
-    out = {"returned": None if report is None else len(report.rows), "wrong_path": _error(lambda: tq.export(sharded, f"{out_dir}/r{rank}"))}
+    out = {
+        "returned": None if report is None else len(report.rows),
+        "wrong_path": _error(lambda: tq.export(sharded, f"{out_dir}/r{rank}")),
+        "not_empty": _error(lambda: tq.export(sharded, f"{out_dir}/fsdp")),  # rank 0's check, raised on every rank
+    }
     if rank == 0:
         tq.export(single, f"{out_dir}/single", dtype=torch.bfloat16, max_shard_size="200KB")
         out["fsdp"], out["single"] = digest(f"{out_dir}/fsdp"), digest(f"{out_dir}/single")
@@ -186,6 +190,8 @@ def test_hf_llama_two_ranks(tmp_path):
         assert exp["returned"] == (7 * 2 if rank == 0 else None)
         kind, msg = exp["wrong_path"]
         assert kind == "ExportError" and "every rank must pass the same path" in msg, msg
+        kind, msg = exp["not_empty"]
+        assert kind == "ExportError" and "exists and is not empty" in msg, msg
         kind, msg = errors["fsdp_recipe"]
         assert kind == "ValueError" and "tq FSDP2 quantized all-gather: layer" in msg, msg
         assert "rank 0 has 'fp8_tensorwise'" in msg and "rank 1 has 'fp8_delayed'" in msg, msg

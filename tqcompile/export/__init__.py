@@ -1,7 +1,7 @@
 """Export for serving: `tq.export` writes compressed-tensors or ModelOpt checkpoints that vLLM,
 SGLang, TensorRT-LLM and transformers load (see docs/serving.md)."""
 
-from tqcompile.export.export import FORMATS, ExportReport, ExportRow, export
+from tqcompile.export.export import FORMATS, ExportReport, ExportRow, ExportWarning, export
 from tqcompile.export.units import ExportError
 
-__all__ = ["export", "ExportReport", "ExportRow", "ExportError", "FORMATS"]
+__all__ = ["export", "ExportReport", "ExportRow", "ExportError", "ExportWarning", "FORMATS"]

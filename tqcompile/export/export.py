@@ -6,11 +6,13 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tqcompile.calibration.modules import canonical_modules
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.names import Placement, is_hf_model, placements
@@ -19,7 +21,7 @@ from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_
 from tqcompile.nn.histories import HISTORY_PREFIX
 from tqcompile.quantizers import NVFP4Quantizer
 
-__all__ = ["export", "ExportReport", "ExportRow", "FORMATS"]
+__all__ = ["export", "ExportReport", "ExportRow", "ExportWarning", "FORMATS"]
 
 FORMATS = {"compressed-tensors": ct, "modelopt": mo}
 # Weights an engine fuses into one GEMM (vLLM's packed modules): an NVFP4 global scale is shared
@@ -71,16 +73,23 @@ def _check_path(path: str, overwrite: bool) -> None:
                 os.remove(os.path.join(path, name))
 
 
-def _is_sharded(model: nn.Module) -> bool:
+def _sharded_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's DTensor parameters (where its collectives run), or None if it is not sharded."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return next((p.device for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
-def _writer_rank(model: nn.Module, path: str) -> bool:
-    """Whether this process writes. A sharded (DTensor) model exports collectively: every rank
-    calls `tq.export` with the same path (each tensor is gathered in turn), rank 0 writes."""
+def _is_sharded(model: nn.Module) -> bool:
+    return _sharded_device(model) is not None
+
+
+def _writer_rank(model: nn.Module, path: str, overwrite: bool) -> bool:
+    """Whether this process writes, after checking `path`. A sharded (DTensor) model exports
+    collectively: every rank calls `tq.export` with the same path (each tensor is gathered in
+    turn), rank 0 checks the path and writes, and every rank gets rank 0's refusal."""
     if not _is_sharded(model):
+        _check_path(path, overwrite)
         return True
     if not (dist.is_available() and dist.is_initialized()):
         raise ExportError("tq.export: the model's parameters are DTensors (sharded) but no process group is initialized")
@@ -90,6 +99,15 @@ def _writer_rank(model: nn.Module, path: str) -> bool:
         raise ExportError(
             f"tq.export of a sharded model is collective: every rank must pass the same path (rank 0 writes); got {sorted(set(paths))}"
         )
+    refusal = [None]
+    if dist.get_rank() == 0:
+        try:
+            _check_path(path, overwrite)
+        except ExportError as e:
+            refusal[0] = str(e)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise ExportError(refusal[0])
     return dist.get_rank() == 0
 
 
@@ -120,6 +138,32 @@ def _dcp_reader(checkpoint):
         return holder["model"][key]
 
     return read
+
+
+class ExportWarning(UserWarning):
+    """Something an export writes that the format holds but an engine is known to refuse."""
+
+
+def _check_fused(model: nn.Module, schemes: dict) -> None:
+    """Warn where layers an engine fuses into one GEMM (q/k/v, gate/up) are not all quantized with
+    one scheme: vLLM refuses such a checkpoint ("different quantization schemes for the shards")."""
+    linears = {name for name, m in canonical_modules(model) if isinstance(m, nn.Linear)}
+    mixed = []
+    for name in sorted(linears):
+        parent, _, leaf = name.rpartition(".")
+        fam = next((f for f in FUSED_SIBLINGS if leaf == f[0]), None)
+        members = [f"{parent}.{x}" if parent else x for x in fam] if fam else []
+        members = [m for m in members if m in linears]
+        if len(members) > 1 and len({schemes.get(m) for m in members}) > 1:
+            mixed.append(", ".join(f"{m}: {schemes[m].describe() if m in schemes else 'high precision'}" for m in members))
+    if mixed:
+        warnings.warn(
+            "tq.export: layers that vLLM and TensorRT-LLM fuse into one GEMM are quantized differently, which they refuse "
+            "to load (transformers loads it): " + "; ".join(mixed) + ". Quantize them alike (block sizes that fit all of "
+            "them) or keep them all in high precision.",
+            ExportWarning,
+            stacklevel=3,
+        )
 
 
 def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, read) -> dict[str, torch.Tensor]:
@@ -154,6 +198,20 @@ def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -
             f"align with its {b}x{b} scale blocks; use a quantizer with row or 1-D block scales for it"
         )
     return t[first // b : (first + n) // b]
+
+
+def _check_scales(unit: ExportUnit, tensors: dict) -> None:
+    """Every scale finite: an engine would serve NaN or Inf from a layer with one (a NaN amax from
+    an unrouted expert is the peers' known failure; tq.calibrate never makes one, a hand-set amax can)."""
+    for local, (t, _) in tensors.items():
+        if "scale" in local and t.is_floating_point():
+            bad = ~torch.isfinite(t.float())
+            if bool(bad.any()):
+                raise ExportError(
+                    f"tq.export: layer {unit.name!r} has {int(bad.sum())} non-finite {local} value(s) (from its amax "
+                    f"{'' if unit.weight_amax is None else 'or weight amax '}of the {unit.source} quantizers); "
+                    "recalibrate it (tq.calibrate) or set a finite amax"
+                )
 
 
 def _prefix(key: str) -> str:
@@ -213,46 +271,34 @@ def export(
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
-    writes = True if checkpoint is not None else _writer_rank(model, path)
+    _check_fused(model, schemes)
+    if checkpoint is None:
+        writes = _writer_rank(model, path, overwrite)
+    else:  # one process reads the checkpoint and writes
+        _check_path(path, overwrite)
+        writes = True
     read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
     if writes:
-        _check_path(path, overwrite)
         os.makedirs(path, exist_ok=True)
-    state = model.state_dict(keep_vars=True)
-    state = {k: v for k, v in state.items() if not k.rsplit(".", 1)[-1].startswith(HISTORY_PREFIX) and v is not None}
-    state = _drop_tied(model, state, units)
+    state = _drop_tied(model, _canonical_state(model), units)
+    lost = [u.weight_key for u in units if u.weight_key not in state]
+    if lost:  # never write a quantized layer as float
+        raise ExportError(f"tq.export: cannot find the weights {lost} among the model's parameters")
+    model = _unwrap(model)
     where = placements(model, {k: v.shape for k, v in state.items()})
     shared = _shared_global_amax(units, schemes, state, read)
     by_key = {u.weight_key: u for u in units}
     writer = ShardedWriter(path, limit) if writes else None
-    rows, groups, quantized_names = [], {}, set()
+    run = _Pass(fmt, read, dtype, where, shared, schemes, writer, None if checkpoint is not None else _sharded_device(model))
     try:
         for key, value in state.items():
             unit = by_key.get(key)
             if unit is None:
-                t = read(key, value)
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                for p in where[key]:
-                    if writer is not None:
-                        writer.add(p.name, _split(t, "rows", p, t.dim() == 3, key).clone())
-                continue
-            w = read(key, value)
-            qw = quantize_unit(unit, w, shared.get(unit.name))
-            out_rows, in_features = w.shape[-2], w.shape[-1]
-            scheme = schemes[unit.name]
-            tensors = fmt.layer_tensors(unit, scheme, qw, out_rows, in_features)
-            for p in where[key]:
-                prefix = _prefix(p.name)
-                quantized_names.add(prefix)
-                groups.setdefault(scheme, []).append(prefix)
-                for local, (t, kind) in tensors.items():
-                    if kind == "shape" and p.rows is not None:
-                        t = torch.tensor([p.rows.numel(), in_features], dtype=torch.int64)
-                    if writer is not None:
-                        writer.add(f"{prefix}.{local}", _split(t, kind, p, unit.experts, unit.name).clone())
-            rows.append(ExportRow(unit.name, scheme.describe(), unit.source, len(where[key])))
-        ignored = _ignored(model, where, quantized_names)
+                run.float_tensor(key, value)
+            else:
+                run.quantized_weight(key, value, unit)
+            run.agree()
+        ignored = _ignored(model, where, run.quantized)
         if writer is None:
             return None
         files = writer.finish()
@@ -260,8 +306,93 @@ def export(
         if writer is not None:
             writer.abort()
         raise
-    _write_configs(model, path, fmt, groups, ignored, dtype)
-    return ExportReport(path, format, rows, ignored, files, writer.total)
+    _write_configs(model, path, fmt, run.groups, ignored, dtype)
+    return ExportReport(path, format, run.rows, ignored, files, writer.total)
+
+
+@dataclasses.dataclass
+class _Pass:
+    """One pass over the model's tensors: each is read (gathered, for a sharded model), quantized
+    where it is a unit's weight, split into the checkpoint's tensors, and written by the writing
+    rank. `agree` after each tensor makes a failure on the writing rank (a full disk) stop every
+    rank at the same tensor, instead of leaving the others waiting in the next gather."""
+
+    fmt: object
+    read: object
+    dtype: torch.dtype | None
+    where: dict
+    shared: dict
+    schemes: dict
+    writer: ShardedWriter | None
+    collective_device: torch.device | None  # a sharded model's: every rank takes part in each step
+    rows: list = dataclasses.field(default_factory=list)
+    groups: dict = dataclasses.field(default_factory=dict)
+    quantized: set = dataclasses.field(default_factory=set)
+    error: BaseException | None = None
+
+    def emit(self, name: str, t: torch.Tensor) -> None:
+        if self.writer is not None and self.error is None:
+            try:
+                self.writer.add(name, t.clone())
+            except Exception as e:  # raised by `agree`, on every rank
+                self.error = e
+
+    def float_tensor(self, key: str, value: torch.Tensor) -> None:
+        t = self.read(key, value)
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
+        for p in self.where[key]:
+            self.emit(p.name, _split(t, "rows", p, t.dim() == 3, key))
+
+    def quantized_weight(self, key: str, value: torch.Tensor, unit: ExportUnit) -> None:
+        w = self.read(key, value)
+        scheme = self.schemes[unit.name]
+        tensors = self.fmt.layer_tensors(unit, scheme, quantize_unit(unit, w, self.shared.get(unit.name)), w.shape[-2], w.shape[-1])
+        _check_scales(unit, tensors)  # the same tensors on every rank: every rank raises
+        for p in self.where[key]:
+            prefix = _prefix(p.name)
+            self.quantized.add(prefix)
+            self.groups.setdefault(scheme, []).append(prefix)
+            for local, (t, kind) in tensors.items():
+                if kind == "shape" and p.rows is not None:
+                    t = torch.tensor([p.rows.numel(), w.shape[-1]], dtype=torch.int64)
+                self.emit(f"{prefix}.{local}", _split(t, kind, p, unit.experts, unit.name))
+        self.rows.append(ExportRow(unit.name, scheme.describe(), unit.source, len(self.where[key])))
+
+    def agree(self) -> None:
+        failed = self.error is not None
+        if self.collective_device is not None:
+            flag = torch.tensor([int(failed)], device=self.collective_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not failed and bool(flag):
+                raise ExportError("tq.export: the writing rank (rank 0) failed writing the checkpoint; see its error")
+        if failed:
+            raise self.error
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside torch.compile / DDP wrappers (whose names, configs and HF class it has)."""
+    from tqcompile.calibration.modules import _wrapper_types
+
+    while isinstance(model, _wrapper_types()):
+        model = model._modules.get("_orig_mod") or model._modules["module"]
+    return model
+
+
+def _canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers under canonical names (wrappers' ``_orig_mod`` /
+    ``module`` components removed, as the units are named), in `state_dict` order; tq's own
+    delayed-scaling histories are training state, not served."""
+    state = {}
+    for name, mod in canonical_modules(model):
+        pre = f"{name}." if name else ""
+        for k, p in mod._parameters.items():
+            if p is not None:
+                state[pre + k] = p
+        for k, b in mod._buffers.items():
+            if b is not None and k not in mod._non_persistent_buffers_set and not k.startswith(HISTORY_PREFIX):
+                state[pre + k] = b
+    return state
 
 
 def _drop_tied(model: nn.Module, state: dict, units: list[ExportUnit]) -> dict:
@@ -289,7 +420,7 @@ def _ignored(model: nn.Module, where: dict, quantized: set[str]) -> list[str]:
     from tqcompile.nn.experts import experts_layout
 
     names = set()
-    for name, module in model.named_modules():
+    for name, module in canonical_modules(model):
         if isinstance(module, nn.Linear) and f"{name}.weight" in where:
             names.update(_prefix(p.name) for p in where[f"{name}.weight"])
         layout = experts_layout(module)
