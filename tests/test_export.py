@@ -228,6 +228,10 @@ def _modelopt_dequant(t: dict, prefix: str, algo: str) -> torch.Tensor:
         return vals * (s.float().repeat_interleave(16, dim=-1) * t[f"{prefix}.weight_scale_2"])
     if algo == "FP8_PB_WO":
         return w.float() * s.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        # vLLM's ModelOpt loader declares this scale 1-D, (out,), and refuses (out, 1) (modelopt.py, KFp8StaticChannel).
+        assert s.shape == (w.shape[0],), (prefix, tuple(s.shape))
+        return w.float() * s.unsqueeze(-1)
     return w.float() * s
 
 

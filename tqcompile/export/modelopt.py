@@ -7,7 +7,7 @@ high precision. Per layer (names and conventions as vLLM 0.32's ModelOpt loader 
 quant_algo                 tensors
 =========================  ====================================================================
 FP8                        ``weight`` e4m3, ``weight_scale`` fp32 (), ``input_scale`` fp32 ()
-FP8_PER_CHANNEL_PER_TOKEN  ``weight`` e4m3, ``weight_scale`` fp32 (out, 1); activations per token
+FP8_PER_CHANNEL_PER_TOKEN  ``weight`` e4m3, ``weight_scale`` fp32 (out,), 1-D; activations per token
 FP8_PB_WO                  ``weight`` e4m3, ``weight_scale`` fp32 (out/128, in/128); activations dynamic
 MXFP8                      ``weight`` e4m3, ``weight_scale`` uint8 E8M0 (out, in/32); activations dynamic
 NVFP4                      ``weight`` uint8 (two E2M1 a byte), ``weight_scale`` e4m3 (out, in/16),
@@ -99,8 +99,8 @@ def layer_tensors(unit: ExportUnit, scheme: Scheme, qw: QuantizedWeight, out_row
         out["weight_scale"] = (scale, "rows")
         s_enc = torch.div(_NVFP4_ENC, qw.amax.float().clamp(min=q.amax_epsilon))
         out["weight_scale_2"] = (per_tensor(1.0 / s_enc), "tensor")
-    else:  # FP8_PER_CHANNEL_PER_TOKEN
-        out["weight_scale"] = (qw.scale_inv.float(), "rows")
+    else:  # FP8_PER_CHANNEL_PER_TOKEN: one scale per output row, 1-D, as vLLM's loader declares it
+        out["weight_scale"] = (qw.scale_inv.float().squeeze(-1), "rows")
     if unit.input_amax is not None:
         iq = unit.input_q
         amax = unit.input_amax.float().clamp(min=iq.amax_epsilon)
