@@ -9,7 +9,7 @@ Setup (vLLM's CPU build needs exactly torch 2.13.0+cpu; keep it in its own virtu
 
 Run (from a Python that has tqcompile and transformers; the vLLM venv needs neither tqcompile nor this repo):
 
-    python examples/serve_with_vllm.py --vllm-python /path/to/venv/bin/python
+    python benchmarks/serve_with_vllm.py --vllm-python /path/to/venv/bin/python
 
 What it does:
 
