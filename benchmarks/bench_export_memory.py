@@ -78,33 +78,39 @@ def _measure(kind: str, hidden: int, layers: int, root: str, queue) -> None:
     queue.put((sum(p.numel() for p in model.parameters()), largest, written, peak, secs))
 
 
-def _run(kind: str, hidden: int, layers: int, root: str) -> tuple:
+def in_fresh_process(target, *args):
+    """``target(*args, queue)`` in a new (spawned) process; what it puts on the queue. A fresh
+    process per measurement: memory one run freed cannot hide the next run's peak."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(kind, hidden, layers, root, queue))
+    proc = ctx.Process(target=target, args=(*args, queue))
     proc.start()
     result = queue.get(timeout=1800)
     proc.join(timeout=60)
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def sizes_from_args(doc: str) -> list[tuple[str, int, int]]:
+    """(label, hidden, layers) of the `--sizes` argument ("hidden x layers"), header printed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["512x4", "1024x8", "1536x12"], help="hidden x layers")
-    args = parser.parse_args()
-    mib = 2**20
     print(f"torch {torch.__version__}, CPU; resident memory sampled every 5 ms, each run in a fresh process")
+    return [(s, *(int(v) for v in s.split("x"))) for s in parser.parse_args().sizes]
+
+
+def main() -> None:
+    sizes = sizes_from_args(__doc__)
+    mib = 2**20
     print("| model (hidden x layers) | params | fp32 model MiB | largest fp32 tensor MiB | checkpoint MiB | export peak MiB | "
           "peak / model | export s | float save_pretrained peak MiB | s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for size in args.sizes:
-        hidden, layers = (int(v) for v in size.split("x"))
+    for size, hidden, layers in sizes:
         root = tempfile.mkdtemp()
         try:
-            n, largest, written, peak, secs = _run("export", hidden, layers, root)
-            _, _, _, ref_peak, ref_secs = _run("save_pretrained", hidden, layers, root)
+            n, largest, written, peak, secs = in_fresh_process(_measure, "export", hidden, layers, root)
+            _, _, _, ref_peak, ref_secs = in_fresh_process(_measure, "save_pretrained", hidden, layers, root)
         finally:
             shutil.rmtree(root)
         print(f"| {size} | {n / 1e6:.1f}M | {n * 4 / mib:.0f} | {largest / mib:.0f} | {written / mib:.0f} | {peak / mib:.1f} | "

@@ -11,7 +11,6 @@ checkpoint's config (what any load must at least do) and (b) `tq.load_exported` 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -21,7 +20,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_export_memory import _model, _peak_during  # noqa: E402  (the sibling script's model and sampler)
+from bench_export_memory import _model, _peak_during, in_fresh_process, sizes_from_args  # noqa: E402  (the sibling script's)
 
 import tqcompile as tq  # noqa: E402
 
@@ -40,29 +39,13 @@ def _measure(kind: str, path: str, queue) -> None:
     queue.put(_peak_during(fn))
 
 
-def _run(kind: str, path: str) -> tuple[int, float]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(kind, path, queue))
-    proc.start()
-    result = queue.get(timeout=1800)
-    proc.join(timeout=60)
-    return result
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["512x4", "1024x8", "1536x12"], help="hidden x layers")
-    args = parser.parse_args()
+    sizes = sizes_from_args(__doc__)
     mib = 2**20
-    print(f"torch {torch.__version__}, CPU; resident memory sampled every 5 ms, each run in a fresh process")
     print("| model (hidden x layers) | params | fp32 model MiB | checkpoint MiB | build bare model: peak MiB | s | "
           "tq.load_exported: peak MiB | peak / model | s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for size in args.sizes:
-        hidden, layers = (int(v) for v in size.split("x"))
+    for size, hidden, layers in sizes:
         root = tempfile.mkdtemp()
         try:
             warnings.simplefilter("ignore")
@@ -72,8 +55,8 @@ def main() -> None:
             tq.calibrate(model, tq.configs.int8(), lambda m, ids=ids: m(ids), progress=False)
             written = tq.export(model, f"{root}/q").bytes_written
             del model
-            build_peak, build_s = _run("build", f"{root}/q")
-            load_peak, load_s = _run("load", f"{root}/q")
+            build_peak, build_s = in_fresh_process(_measure, "build", f"{root}/q")
+            load_peak, load_s = in_fresh_process(_measure, "load", f"{root}/q")
         finally:
             shutil.rmtree(root)
         print(f"| {size} | {n / 1e6:.1f}M | {n * 4 / mib:.0f} | {written / mib:.0f} | {build_peak / mib:.0f} | {build_s:.2f} | "
