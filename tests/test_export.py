@@ -473,3 +473,18 @@ def test_empty_tensor_in_an_hf_model(tmp_path):
     model.model.register_buffer("empty", torch.zeros(0))
     tq.export(model, str(tmp_path / "x"))
     assert _read(str(tmp_path / "x"))["model.empty"].shape == (0,)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_static_input_scale_is_the_scale_tq_quantizes_with(tmp_path, pow2):
+    """`input_scale` is the scale_inv tq's fake quantization uses for that input, power-of-two
+    rounding included (what the engines then multiply with)."""
+    fp8 = Float8Quantizer(power_of_two_scale=pow2)
+    model = tiny_llama()
+    tq.calibrate(model, _config(fp8, fp8), lambda m: m(torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))), progress=False)
+    tq.export(model, str(tmp_path / "x"))
+    t = _read(str(tmp_path / "x"))
+    for n in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        iq = model.get_submodule(n).input_quantizer
+        want = tq.quantize(torch.zeros(4, HIDDEN if "q_proj" in n else INTER), fp8, amax=iq.amax)._scale_inv
+        assert torch.equal(t[f"{n}.input_scale"], want.reshape(1)), n

@@ -14,7 +14,8 @@ loaders define (read from their source; compressed-tensors 0.20, vLLM 0.32):
   float8_e4m3fn per 16-block, ``weight_global_scale`` = tq's ``s_enc`` = 2688 / amax (the
   reciprocal of ModelOpt's ``weight_scale_2``), dequantized as ``q * (weight_scale / global)``;
   ``input_global_scale`` likewise from the calibrated input amax;
-- a static input scale is ``input_scale`` (fp32, (1,)), tq's ``1 / (qmax / amax)``.
+- a static input scale is ``input_scale`` (fp32, (1,)), the `scale_inv` tq quantizes that input with
+  (`reference.tensor_scale_inv`: ``1 / (qmax / amax)``, power-of-two rounded where the quantizer says).
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ import torch
 
 from tqcompile.export.units import ExportError, ExportUnit, QuantizedWeight
 from tqcompile.formats import Format
-from tqcompile.kernels.reference import _unpack_nibbles
+from tqcompile.kernels.reference import int_values, nvfp4_tensor_scale, tensor_scale_inv
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
 __all__ = ["Scheme", "scheme_of", "layer_tensors", "quantization_config", "extra_files", "check_targets", "RowKind"]
-
-_NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6, as in the reference kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +166,6 @@ def _pack_int32(ints: torch.Tensor, bits: int) -> torch.Tensor:
     return u.contiguous().view(torch.int32)  # little-endian words (every CPU torch runs on here)
 
 
-def _int_values(data: torch.Tensor, q: IntQuantizer) -> torch.Tensor:
-    if q.format is Format.INT4:
-        nib = _unpack_nibbles(data).to(torch.int16)
-        return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
-    return data
-
-
 def _expand_2d_tiles(scale: torch.Tensor, q: Quantizer) -> torch.Tensor:
     # NVFP4 16x16 weight tiles are 1x16 blocks that share a scale down each 16 rows.
     return scale.repeat_interleave(16, dim=-2) if isinstance(q, NVFP4Quantizer) and q.block_2d else scale
@@ -187,11 +179,9 @@ def _input_tensors(unit: ExportUnit) -> dict[str, tuple[torch.Tensor, RowKind]]:
     q, amax = unit.input_q, unit.input_amax
     if q is None or amax is None:
         return {}
-    amax = amax.float().clamp(min=q.amax_epsilon)
     if isinstance(q, NVFP4Quantizer):
-        return {"input_global_scale": (_per_tensor(torch.div(_NVFP4_ENC, amax), unit.experts), "tensor")}
-    # tq's scale_inv: 1 / (qmax / amax), each rounded once (kernels/reference._scale_from_amax)
-    return {"input_scale": (_per_tensor(1.0 / torch.div(q.element_format().max_value, amax), unit.experts), "tensor")}
+        return {"input_global_scale": (_per_tensor(nvfp4_tensor_scale(amax, q), unit.experts), "tensor")}
+    return {"input_scale": (_per_tensor(tensor_scale_inv(amax, q), unit.experts), "tensor")}
 
 
 def layer_tensors(unit: ExportUnit, scheme: Scheme, qw: QuantizedWeight, out_rows: int, in_features: int) -> dict:
@@ -200,7 +190,7 @@ def layer_tensors(unit: ExportUnit, scheme: Scheme, qw: QuantizedWeight, out_row
     out: dict = {}
     if scheme.format == "pack-quantized":
         bits = q.element_format().bits
-        out["weight_packed"] = (_pack_int32(_int_values(qw.data, q), bits), "rows")
+        out["weight_packed"] = (_pack_int32(int_values(qw.data, q), bits), "rows")
         out["weight_scale"] = (_scale_tensor(qw.scale_inv, q, e), _scale_rows(q))
         shape = [qw.data.shape[0], out_rows, in_features] if e else [out_rows, in_features]
         out["weight_shape"] = (torch.tensor(shape, dtype=torch.int64), "shape")
@@ -209,8 +199,7 @@ def layer_tensors(unit: ExportUnit, scheme: Scheme, qw: QuantizedWeight, out_row
         scale = qw.scale_inv.view(torch.uint8) if isinstance(q, MXQuantizer) else _expand_2d_tiles(qw.scale_inv, q)
         out["weight_scale"] = (scale, "rows")
         if isinstance(q, NVFP4Quantizer):
-            s_enc = torch.div(_NVFP4_ENC, qw.amax.float().clamp(min=q.amax_epsilon))  # as tq dequantizes
-            out["weight_global_scale"] = (_per_tensor(s_enc, e), "tensor")
+            out["weight_global_scale"] = (_per_tensor(nvfp4_tensor_scale(qw.amax, q), e), "tensor")
     elif scheme.format == "mxfp8-quantized":
         out["weight"] = (qw.data, "rows")
         out["weight_scale"] = (qw.scale_inv.view(torch.uint8), "rows")

@@ -32,12 +32,18 @@ from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.units import ExportError, ExportUnit
 from tqcompile.formats import Format
-from tqcompile.kernels.reference import _pack_nibbles, _scale_from_amax, _unpack_nibbles, e2m1_decode
+from tqcompile.kernels.reference import (
+    _NVFP4_ENC,
+    _pack_nibbles,
+    _scale_from_amax,
+    _unpack_nibbles,
+    e2m1_decode,
+    nvfp4_tensor_scale,
+)
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
 
 __all__ = ["LayerScheme", "DecodedLayer", "ct_scheme", "modelopt_scheme", "decode_layer", "amax_for_scale", "with_scale_rules"]
 
-_NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6, as in the reference kernels
 _ULPS = 8  # the amax search's reach either side of its estimate (tq's own scales need at most 3)
 # The fields of compressed-tensors' QuantizationArgs that decide the quantization (others, such as
 # observer or the dtype a scale is stored in, do not change what a weight dequantizes to).
@@ -243,7 +249,7 @@ def _scaled_amax(scale: torch.Tensor, q: Quantizer) -> tuple[torch.Tensor, int]:
 def _nvfp4_amax(scale: torch.Tensor, q: Quantizer, reciprocal: bool) -> tuple[torch.Tensor, int]:
     """compressed-tensors stores the global scale s_enc = 2688 / amax; ModelOpt its reciprocal."""
     s = scale.float().reshape(())
-    enc = lambda a: torch.div(_NVFP4_ENC, a.clamp(min=q.amax_epsilon))  # noqa: E731 (as reference.quantize)
+    enc = lambda a: nvfp4_tensor_scale(a, q)  # noqa: E731
     if reciprocal:
         return amax_for_scale(s, lambda a: 1.0 / enc(a), s * _NVFP4_ENC)
     return amax_for_scale(s, enc, torch.div(_NVFP4_ENC, s))

@@ -29,12 +29,12 @@ import torch
 
 from tqcompile.export.units import ExportError, ExportUnit, QuantizedWeight
 from tqcompile.formats import Format
+from tqcompile.kernels.reference import nvfp4_tensor_scale, tensor_scale_inv
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer
 
 __all__ = ["Scheme", "scheme_of", "layer_tensors", "quantization_config", "extra_files", "check_targets", "PRODUCER"]
 
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the ModelOpt release whose format this writes
-_NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value
 _WORKS = (
     "ModelOpt checkpoints hold FP8 per tensor (static inputs), FP8 per channel (ROWWISE weights and inputs), FP8 128x128 "
     "blocks, MXFP8 and NVFP4 (W4A4 with a calibrated input amax, or W4A16); for INT8/INT4 or mixed schemes use "
@@ -97,15 +97,13 @@ def layer_tensors(unit: ExportUnit, scheme: Scheme, qw: QuantizedWeight, out_row
         q = unit.weight_q
         scale = qw.scale_inv.repeat_interleave(16, dim=-2) if q.block_2d else qw.scale_inv
         out["weight_scale"] = (scale, "rows")
-        s_enc = torch.div(_NVFP4_ENC, qw.amax.float().clamp(min=q.amax_epsilon))
-        out["weight_scale_2"] = (per_tensor(1.0 / s_enc), "tensor")
+        out["weight_scale_2"] = (per_tensor(1.0 / nvfp4_tensor_scale(qw.amax, q)), "tensor")
     else:  # FP8_PER_CHANNEL_PER_TOKEN: one scale per output row, 1-D, as vLLM's loader declares it
         out["weight_scale"] = (qw.scale_inv.float().squeeze(-1), "rows")
     if unit.input_amax is not None:
-        iq = unit.input_q
-        amax = unit.input_amax.float().clamp(min=iq.amax_epsilon)
-        enc = _NVFP4_ENC if algo == "NVFP4" else iq.element_format().max_value
-        out["input_scale"] = (per_tensor(1.0 / torch.div(enc, amax)), "tensor")
+        iq, amax = unit.input_q, unit.input_amax
+        scale_inv = 1.0 / nvfp4_tensor_scale(amax, iq) if algo == "NVFP4" else tensor_scale_inv(amax, iq)
+        out["input_scale"] = (per_tensor(scale_inv), "tensor")
     return out
 
 

@@ -42,6 +42,9 @@ __all__ = [
     "fp8_gemm_cpu",
     "e2m1_encode",
     "e2m1_decode",
+    "tensor_scale_inv",
+    "nvfp4_tensor_scale",
+    "int_values",
     "hadamard_matrix",
     "uniform_hash",
 ]
@@ -228,6 +231,27 @@ def _scale_from_amax(amax: torch.Tensor, fmt_max: float, eps: float, power_of_tw
     return _pow2_floor(scale) if power_of_two else scale
 
 
+def tensor_scale_inv(amax: torch.Tensor, q: Float8Quantizer | IntQuantizer) -> torch.Tensor:
+    """The `scale_inv` a Float8 / Int quantizer stores for the static amax `amax` (any unit shape):
+    ``1 / (fmt_max / max(amax, amax_epsilon))``, the scale rounded to a power of two first if the
+    quantizer asks. What serving formats store as a static scale (they multiply by it)."""
+    return 1.0 / _scale_from_amax(amax.float(), q.element_format().max_value, q.amax_epsilon, getattr(q, "power_of_two_scale", False))
+
+
+def nvfp4_tensor_scale(amax: torch.Tensor, q: NVFP4Quantizer) -> torch.Tensor:
+    """NVFP4's tensor-level encode scale ``s_enc = 448 * 6 / max(amax, amax_epsilon)``, rounded once
+    (as in `_scale_from_amax`): compressed-tensors' global scale, ModelOpt's reciprocal."""
+    return torch.div(_NVFP4_ENC, amax.float().clamp(min=q.amax_epsilon))
+
+
+def int_values(data: torch.Tensor, q: IntQuantizer) -> torch.Tensor:
+    """The signed integer values (int8) of an Int payload: INT4's two-a-byte nibbles unpacked."""
+    if q.format is not Format.INT4:
+        return data
+    nib = _unpack_nibbles(data).to(torch.int16)
+    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+
+
 def _quantize_scaled(xf, q, amax, fmt_max, eps, power_of_two=False):
     if amax is None:
         amax = _unit_amax(_finite_abs(xf), q.layout())
@@ -282,7 +306,7 @@ def _quantize(xf, q, amax, seed):
     if isinstance(q, NVFP4Quantizer):
         if amax is None:
             raise ValueError("NVFP4 quantize needs the tensor amax (tensor_amax(x, q), group-reduced)")
-        s_enc = torch.div(_NVFP4_ENC, amax.float().clamp(min=q.amax_epsilon))  # rounded once, as in _scale_from_amax
+        s_enc = nvfp4_tensor_scale(amax, q)
         blk_amax = _unit_amax(_finite_abs(xf), q.layout())
         s_blk = (_div_scalar(blk_amax, Format.E2M1.max_value) * s_enc).clamp(max=Format.E4M3.max_value).to(torch.float8_e4m3fn)
         s_blk_f = _expand(s_blk.float(), xf.shape, q.layout())
@@ -317,17 +341,12 @@ def dequantize(
     if isinstance(q, Float8Quantizer):
         out = data.float() * _expand(scale_inv, shape, q.layout())
     elif isinstance(q, IntQuantizer):
-        if q.format is Format.INT4:
-            nib = _unpack_nibbles(data).to(torch.int16)
-            ints = torch.where(nib >= 8, nib - 16, nib)
-        else:
-            ints = data
-        out = ints.float() * _expand(scale_inv, shape, q.layout())
+        out = int_values(data, q).float() * _expand(scale_inv, shape, q.layout())
     elif isinstance(q, MXQuantizer):
         vals = e2m1_decode(_unpack_nibbles(data)) if q.format is Format.E2M1 else data.float()
         out = vals * _expand(_e8m0_decode(scale_inv), shape, q.layout())
     elif isinstance(q, NVFP4Quantizer):
-        s_enc = torch.div(_NVFP4_ENC, amax.float().clamp(min=q.amax_epsilon))  # rounded once, as in _scale_from_amax
+        s_enc = nvfp4_tensor_scale(amax, q)
         # The block's effective scale first, then one product: what compressed-tensors' decompressor
         # and the engines that load its checkpoints compute (`q * (weight_scale / weight_global_scale)`),
         # so an exported NVFP4 weight dequantizes there bit for bit as here.
