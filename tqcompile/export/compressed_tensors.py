@@ -148,7 +148,7 @@ def scheme_of(unit: ExportUnit) -> Scheme:
 # weight (experts' gate_up) splits into the per-module tensors engines load: "rows" (one entry a
 # weight row), ("blocks", b) (one entry per b rows), "tensor" (one value for the whole layer) or
 # "shape" (the unpacked weight shape, rebuilt after the split).
-RowKind = object
+RowKind = str | tuple[str, int]
 
 
 def _pack_int32(ints: torch.Tensor, bits: int) -> torch.Tensor:

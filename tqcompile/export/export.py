@@ -105,15 +105,11 @@ def _sharded_device(model: nn.Module) -> torch.device | None:
     return next((p.device for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
-def _is_sharded(model: nn.Module) -> bool:
-    return _sharded_device(model) is not None
-
-
 def _writer_rank(model: nn.Module, path: str, overwrite: bool) -> bool:
     """Whether this process writes, after checking `path`. A sharded (DTensor) model exports
     collectively: every rank calls `tq.export` with the same path (each tensor is gathered in
     turn), rank 0 checks the path and writes, and every rank gets rank 0's refusal."""
-    if not _is_sharded(model):
+    if _sharded_device(model) is None:
         _check_path(path, overwrite)
         return True
     if not (dist.is_available() and dist.is_initialized()):
@@ -226,7 +222,9 @@ def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, rea
     shared = {}
     for group in by_parent.values():
         if len(group) > 1:
-            top = torch.stack([weight_tensor_amax(u, read(u.weight_key, state[u.weight_key])) for u in group]).amax()
+            # A calibrated amax is the unit's own; only a weight quantized with its own amax is read.
+            amaxes = [weight_tensor_amax(u, None if u.weight_amax is not None else read(u.weight_key, state[u.weight_key])) for u in group]
+            top = torch.stack(amaxes).amax()
             shared.update({u.name: top for u in group})
     return shared
 

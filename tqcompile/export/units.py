@@ -84,10 +84,6 @@ class QuantizedWeight:
     amax: torch.Tensor | None
 
 
-def _input_slot(q: Quantizer | None, amax: torch.Tensor | None) -> tuple[Quantizer | None, torch.Tensor | None]:
-    return q, (None if amax is None else amax.detach().float())
-
-
 def _calibrated_unit(name: str, module: nn.Module, qs: dict) -> ExportUnit | None:
     w, i, o = qs["weight"], qs["input"], qs["output"]
     if not (w.enabled or i.enabled or o.enabled):
@@ -117,7 +113,8 @@ def _calibrated_unit(name: str, module: nn.Module, qs: dict) -> ExportUnit | Non
     else:
         weight_key = f"{name}.weight"
         bias_key = f"{name}.bias" if getattr(module, "bias", None) is not None else None
-    iq, iamax = _input_slot(i.quantizer, i.amax) if i.enabled else (None, None)
+    iq = i.quantizer if i.enabled else None
+    iamax = i.amax.detach().float() if i.enabled and i.amax is not None else None
     wamax = None if w.amax is None else w.amax.detach().float()
     return ExportUnit(name, weight_key, bias_key, w.quantizer, wamax, iq, iamax, experts, "calibrated")
 
@@ -176,14 +173,15 @@ def _rne(q: Quantizer) -> Quantizer:
     return q
 
 
-def weight_tensor_amax(unit: ExportUnit, w: torch.Tensor) -> torch.Tensor | None:
+def weight_tensor_amax(unit: ExportUnit, w: torch.Tensor | None) -> torch.Tensor | None:
     """The tensor-level amax the unit's weight is quantized with (per expert: (E,)), or None
-    for quantizers without one (scales per row, block or MX block come from the weight)."""
+    for quantizers without one (scales per row, block or MX block come from the weight). The
+    weight `w` is needed only where no static amax was calibrated."""
     q = unit.weight_q
     if not q.uses_tensor_amax():
         return None
     if unit.weight_amax is not None:
-        return unit.weight_amax.reshape(w.shape[0]) if unit.experts else unit.weight_amax.reshape(())
+        return unit.weight_amax.reshape(-1) if unit.experts else unit.weight_amax.reshape(())
     if unit.experts:
         return torch.stack([tensor_amax(w[e], q) for e in range(w.shape[0])])
     return tensor_amax(w, q)
