@@ -7,7 +7,7 @@ rounded by tq's own numerics, so the result is a weight the calibrated model com
 
 - the scale of each scaling unit is fixed before its first column is quantized (per tensor and
   per row: from the whole weight; 1-D blocks along the input dim: from the block's columns as the
-  earlier columns' errors have updated them);
+  earlier columns' errors have updated them; lazy-update blocks are whole scale blocks);
 - a column is rounded with a ROWWISE copy of the quantizer and that unit's amax, the same element
   arithmetic (``x * (qmax / amax)``, rounded, clamped, times the reciprocal) as the quantizer's own
   granularity;
@@ -132,16 +132,17 @@ def gptq_quantize(
         warnings.warn(f"GPTQ: the Hessian of {name!r} stays singular after dampening x100; it is rounded to nearest instead", stacklevel=2)
         return _rtn(weight, quantizer, dead)
     qw = torch.zeros_like(w)
-    for i1 in range(0, in_f, config.block_size):
-        i2 = min(i1 + config.block_size, in_f)
+    # Lazy blocks hold whole 1-D scale blocks, so a block's columns are all up to date when its scale is chosen.
+    step = -(-config.block_size // block) * block if gran is Granularity.BLOCKWISE_1D else config.block_size
+    for i1 in range(0, in_f, step):
+        i2 = min(i1 + step, in_f)
         w1, err = w[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1)
         h1 = hinv[i1:i2, i1:i2].float()
         for i in range(i2 - i1):
             j = int(perm[i1 + i])
             if gran is Granularity.BLOCKWISE_1D and not config.act_order and j % block == 0:
                 # The block's scale from its columns as the earlier errors left them (they are in order).
-                group = w1[:, i : i + block] if i + block <= i2 - i1 else torch.cat([w1[:, i:], w[:, i2 : i1 + i + block]], 1)
-                amax[:, j // block] = unit_amax(group, rows).reshape(-1)
+                amax[:, j // block] = unit_amax(w1[:, i : i + block], rows).reshape(-1)
             col = w1[:, i : i + 1]
             # Two copies of the column: 4-bit payloads pack pairs (the element arithmetic is per element).
             qc = fake_quantize(col.expand(-1, 2).contiguous(), rows, amax=col_amax(j))[:, :1]
