@@ -30,6 +30,7 @@ import warnings
 
 import torch
 
+from tqcompile.calibration.algorithms import GPTQ
 from tqcompile.calibration.fake_quant import fake_quantize
 from tqcompile.formats import Format
 from tqcompile.kernels.reference import unit_amax
@@ -37,24 +38,6 @@ from tqcompile.ops import amax as tensor_amax
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, Quantizer
 
 __all__: list[str] = []  # used by tq.calibrate once it offers algorithm="gptq"; nothing public yet
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTQ:
-    """GPTQ's knobs: columns per lazy-update block, Hessian dampening (a fraction of its mean
-    diagonal), and static activation order (columns by decreasing Hessian diagonal)."""
-
-    block_size: int = 128
-    dampening: float = 0.01
-    act_order: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise ValueError(f"GPTQ: block_size={self.block_size!r} is not allowed; allowed: an int >= 1")
-        if not isinstance(self.dampening, float) or not 0.0 < self.dampening < 1.0:
-            raise ValueError(f"GPTQ: dampening={self.dampening!r} is not allowed; allowed: a float in (0, 1)")
-        if not isinstance(self.act_order, bool):
-            raise ValueError(f"GPTQ: act_order={self.act_order!r} is not allowed; allowed: True or False")
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +78,7 @@ def _output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
 
 
 def gptq_quantize(
-    weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ = GPTQ(), *, name: str = "weight"
+    weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ | None = None, *, name: str = "weight"
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """GPTQ-round `weight` (out, in) for inputs with Hessian `h` (in, in).
 
@@ -103,6 +86,7 @@ def gptq_quantize(
     amax) == Q``; amax in the quantizer's static layout (0-dim, (out, 1) or (out, in / block));
     `how` "gptq", or "rtn" where GPTQ was not better or the Hessian stayed singular (warned).
     """
+    config = config or GPTQ()
     gran = _check(quantizer)
     quantizer.check_shape(weight.shape)
     w = weight.detach().float().clone()
