@@ -53,6 +53,8 @@ from tqcompile.calibration.modules import (
     unsupported_reason,
     weight_view,
 )
+from tqcompile.calibration.passes import reduce_stats as _reduce
+from tqcompile.calibration.passes import run_loop as _run
 from tqcompile.kernels.reference import unit_amax
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 
@@ -337,50 +339,6 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     return (
         t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not isinstance(t.quantizer, NVFP4Quantizer)
     )
-
-
-def _run(model, forward_loop, modules: list[nn.Module], desc: str, progress: bool) -> None:
-    from tqdm.auto import tqdm
-
-    bar = tqdm(desc=desc, unit=" batch", disable=not progress)
-    calls = [0, 0]  # forward calls of the model, and of any converted module (a loop may call submodules)
-
-    def count_model(*_):
-        calls[0] += 1
-        bar.update(1)
-
-    def count_module(*_):
-        calls[1] += 1
-
-    # On the module inside any DDP / compile wrapper: calling the wrapper calls it too.
-    handles = [next(m for _, m in canonical_modules(model)).register_forward_pre_hook(count_model)]
-    handles += [m.register_forward_pre_hook(count_module) for m in modules]
-    try:
-        with torch.no_grad():
-            forward_loop(model)
-    finally:
-        for h in handles:
-            h.remove()
-        bar.close()
-    if calls == [0, 0]:
-        raise RuntimeError(
-            "tq.calibrate: forward_loop never called the model; it must run calibration data through it, e.g. lambda m: [m(x) for x in batches]"
-        )
-
-
-def _reduce(tensors: list[torch.Tensor], groups, op=dist.ReduceOp.MAX) -> None:
-    """Reduce every tensor in place over each group: one flat collective per group and dtype."""
-    if not groups or not tensors:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        for g in groups:
-            dist.all_reduce(flat, op=op, group=g)
-        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-            t.copy_(part.view_as(t))
 
 
 def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups) -> None:
