@@ -9,7 +9,12 @@ from torch import nn
 
 from tqcompile.calibration.modules import canonical_modules
 
-__all__ = ["run_loop", "reduce_stats"]
+__all__ = ["run_loop", "reduce_stats", "CalibrationWarning"]
+
+
+class CalibrationWarning(UserWarning):
+    """Something calibration did that a user should know: an unmatched rule, a skipped module,
+    an expert that received no tokens."""
 
 
 def run_loop(model: nn.Module, forward_loop, modules: list[nn.Module], desc: str, progress: bool) -> None:
