@@ -52,8 +52,7 @@ def test_gptq_never_worse_than_round_to_nearest(seed, name, act_order, block_siz
         assert r.amax is None  # every MX scale comes from Q's own blocks
     if isinstance(q, NVFP4Quantizer):
         assert torch.equal(r.amax, w.abs().amax())  # the tensor scale s_enc stays the starting weight's
-        if not act_order:
-            assert r.requantized_blocks == 0  # in order, every block got its ±6 while being rounded
+        assert r.requantized_blocks == 0  # every block got its ±6 while being rounded
 
 
 def test_gptq_beats_round_to_nearest_on_correlated_inputs():

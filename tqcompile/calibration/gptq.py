@@ -27,16 +27,16 @@ max, which GPTQ's updates move after the scale was chosen. What that does:
 - NVFP4 (E4M3 block scale under the tensor scale ``s_enc``, which stays fixed: the returned amax is
   the starting weight's tensor amax): ``Q``'s block reproduces its scale only if its largest code is
   ±6. GPTQ's updates can pull the element that set the scale below 5 (code 4; measured on
-  correlated inputs: about 1 block in 500). So while a block is rounded, a row whose block has no
-  ±6 yet gets ±6 at the first column whose current magnitude is the largest of the block's
-  remaining columns; its larger rounding error is then spread over the later columns like any
-  other. Every block thus holds a ±6 without a second pass.
-- With `act_order` (static groups: scales from the original weight, columns visited out of order)
-  NVFP4 blocks are not pinned; both formats then rely on the final check.
+  correlated inputs: about 1 block in 500, up to 1 in 60 with `act_order`). So while a block is rounded,
+  a row whose block has no ±6 yet gets ±6 at the first column whose current magnitude is the
+  largest of the block's columns still to come; its larger rounding error is then spread over the
+  later columns like any other. Every block thus holds a ±6 without a second pass.
+- With `act_order` (static groups) every block's scale comes from the starting weight, and a
+  block's columns are visited out of order; the same two arguments hold.
 
-The final check requantizes every block that would not reproduce itself (``fake_quantize`` of a
-block rounded to nearest reproduces itself: its largest code is the top one, or MX's exponent is
-unchanged), so the invariant holds for every output.
+A final check requantizes every block that would not reproduce itself; an MX block rounded to
+nearest keeps its exponent, so it reproduces itself and the invariant holds for every output. (It
+never fires for NVFP4: a block with a zero scale is all zero, every other one holds a ±6.)
 
 A weight whose GPTQ result has a larger output error on the calibration inputs than round to
 nearest (GPTQ is greedy: rare, on near-singular inputs) keeps the round-to-nearest result, so GPTQ
@@ -93,7 +93,7 @@ class _BlockScaled:
     """GPTQ's column rounding for MX / NVFP4: each block's scale held fixed while its columns are
     rounded, in the element arithmetic of `reference.quantize` / `reference.dequantize`."""
 
-    def __init__(self, q: MXQuantizer | NVFP4Quantizer, w: torch.Tensor, act_order: bool):
+    def __init__(self, q: MXQuantizer | NVFP4Quantizer, w: torch.Tensor, perm: torch.Tensor, act_order: bool):
         self.q, self.block, self.act_order = q, q.layout()[2], act_order
         self.amax = _static_amax(w, q)  # NVFP4: the starting weight's tensor amax, so s_enc stays; MX: None
         self.s_enc = nvfp4_tensor_scale(self.amax, q) if isinstance(q, NVFP4Quantizer) else None
@@ -101,20 +101,21 @@ class _BlockScaled:
         # act_order visits columns out of order: static groups, every block's scale from the starting weight.
         blocks = w.split(self.block, dim=1)
         self.scales = torch.cat([self._scale(c) for c in blocks], 1) if act_order else w.new_zeros(w.shape[0], len(blocks))
-        self.pins = self.s_enc is not None and not act_order  # NVFP4 in order: pin a ±6 into every block
-        self.topped = torch.zeros(w.shape[0], 1, dtype=torch.bool)  # rows whose current block holds a ±6
+        # Where each block's columns come in the visiting order (`perm`), and which rows' blocks hold a ±6 (NVFP4 pins one).
+        self.visits = torch.argsort(perm).reshape(len(blocks), self.block).sort(dim=1).values
+        self.topped = torch.zeros(w.shape[0], len(blocks), dtype=torch.bool)
 
     def _scale(self, cols: torch.Tensor) -> torch.Tensor:
         """(out, 1) fp32 scale tq picks for the block `cols` (out, block): MX ``2**e``, NVFP4 ``s_blk``."""
         return reference.quantize(cols, self.q, self.amax, None)[1].float()
 
-    def round_column(self, w1: torch.Tensor, i: int, j: int) -> torch.Tensor:
-        """Column `i` (weight column `j`) of the lazy batch `w1`, rounded: (out, 1)."""
-        b, start = j // self.block, i - j % self.block
-        if not self.act_order and i == start:
+    def round_column(self, w: torch.Tensor, w1: torch.Tensor, i1: int, i: int, j: int) -> torch.Tensor:
+        """Column `i` of the lazy batch ``w1 = w[:, i1:i2]`` (visited columns of the weight `w`, in
+        visiting order), which is weight column `j`, rounded: (out, 1)."""
+        b = j // self.block
+        if not self.act_order and j % self.block == 0:
             # The block's scale from its columns as the earlier errors left them (they are in order).
             self.scales[:, b] = self._scale(w1[:, i : i + self.block]).reshape(-1)
-            self.topped.zero_()
         col, scale = w1[:, i : i + 1], self.scales[:, b : b + 1]
         if self.s_enc is None:
             v = col / scale
@@ -123,12 +124,15 @@ class _BlockScaled:
             return v.clamp(-self.top, self.top).to(self.q.format.torch_dtype).float() * scale
         v = torch.where(scale == 0, torch.zeros_like(col), col * self.s_enc / scale)
         codes = e2m1_decode(e2m1_encode(v))
-        if self.pins:
-            # A row without a ±6 yet takes one at the largest of the block's remaining columns.
-            rest = w1[:, i + 1 : start + self.block].abs()
-            largest = col.abs() >= rest.amax(1, keepdim=True) if rest.shape[1] else torch.ones_like(self.topped)
-            codes = torch.where(~self.topped & largest & (scale > 0), torch.copysign(torch.full_like(v, self.top), v), codes)
-            self.topped |= codes.abs() == self.top
+        # A row without a ±6 yet takes one at the largest of the block's columns still to come (their
+        # current values: in this lazy batch, or in `w`, which lacks only this batch's pending update).
+        rest = self.visits[b][self.visits[b] > i1 + i]
+        i2 = i1 + w1.shape[1]
+        rest = torch.cat((w1[:, rest[rest < i2] - i1], w[:, rest[rest >= i2]]), 1).abs()
+        largest = col.abs() >= rest.amax(1, keepdim=True) if rest.shape[1] else torch.ones_like(col, dtype=torch.bool)
+        pin = ~self.topped[:, b : b + 1] & largest & (scale > 0)
+        codes = torch.where(pin, torch.copysign(torch.full_like(v, self.top), v), codes)
+        self.topped[:, b : b + 1] |= codes.abs() == self.top
         return codes * (scale / self.s_enc)
 
 
@@ -191,7 +195,8 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     dead = h.diagonal() == 0  # inputs always zero: any weight there is free; make them zero
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    blocked = _BlockScaled(quantizer, w, config.act_order) if isinstance(quantizer, (MXQuantizer, NVFP4Quantizer)) else None
+    perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f)
+    blocked = _BlockScaled(quantizer, w, perm, config.act_order) if isinstance(quantizer, (MXQuantizer, NVFP4Quantizer)) else None
     rows = None if blocked is not None else dataclasses.replace(quantizer, granularity=Granularity.ROWWISE, axis=-1)
     block = quantizer.layout()[2]
     if blocked is not None:
@@ -208,7 +213,6 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
             return amax.reshape(1, 1).expand(out_f, 1)
         return amax if gran is Granularity.ROWWISE else amax[:, j // block : j // block + 1]
 
-    perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f)
     w, hp = w[:, perm], h[perm][:, perm]
     hinv = _inverse_cholesky(hp, config.dampening)
     if hinv is None:
@@ -225,7 +229,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
             j = int(perm[i1 + i])
             col = w1[:, i : i + 1]
             if blocked is not None:
-                qc = blocked.round_column(w1, i, j)
+                qc = blocked.round_column(w, w1, i1, i, j)
             else:
                 if gran is Granularity.BLOCKWISE_1D and not config.act_order and j % block == 0:
                     # The block's scale from its columns as the earlier errors left them (they are in order).
