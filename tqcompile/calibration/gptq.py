@@ -216,7 +216,9 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     w, hp = w[:, perm], h[perm][:, perm]
     hinv = _inverse_cholesky(hp, config.dampening)
     if hinv is None:
-        warnings.warn(f"GPTQ: the Hessian of {name!r} stays singular after dampening x100; it is rounded to nearest instead", stacklevel=3)
+        warnings.warn(
+            f"GPTQ: the Hessian of {name!r} stays singular after dampening x100; it is rounded to nearest instead", stacklevel=3
+        )
         return _rtn(weight, quantizer, dead)
     qw = torch.zeros_like(w)
     # Lazy blocks hold whole 1-D scale blocks, so a block's columns are all up to date when its scale is chosen.
