@@ -63,6 +63,17 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs():
         assert how == "gptq" and _err(w, out, x) < 0.8 * _err(w, rtn, x), name
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+def test_bfloat16_weight_reproduces_itself(name):
+    """A bf16 model stores Q in bf16, where NVFP4's products ``code * (s_blk / s_enc)`` round once
+    more; they still requantize to themselves (a relative change of 2**-9 moves no scale or code)."""
+    x, w = _correlated(5), torch.randn(32, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    q = QUANTIZERS[name]
+    out, amax, how = gptq_quantize(w, hessian(x), q)
+    assert how == "gptq" and out.dtype == torch.bfloat16
+    assert torch.equal(fake_quantize(out, q, amax=amax), out)
+
+
 def test_dead_inputs_and_singular_hessian():
     x = _correlated(3)
     x[:, 5] = 0  # an input that is always zero: its weight is set to zero
