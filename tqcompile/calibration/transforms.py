@@ -128,20 +128,25 @@ def _reads_module_input(unit: nn.Module) -> bool:
 
 
 def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[tuple[str, list]]:
-    """(name, units) per group, in the model's order (see the module docstring)."""
+    """(name, units) per group, in the model's order (see the module docstring): each element of a
+    ``ModuleList`` is a group; consecutive layers outside any list form one group together (so a
+    linear's scale can still fold into the one before it)."""
     if not sequential:
         return [("model", [u for _, u in units])]
     lists = [n for n, m in canonical_modules(model) if isinstance(m, nn.ModuleList)]
-    groups: dict[str, list] = {}
+    groups: list[tuple[str, list]] = []
     for name, u in units:
-        key = name
+        key = None
         for ln in lists:
             prefix = f"{ln}." if ln else ""
             if name.startswith(prefix) and name != ln:
                 key = prefix + name[len(prefix) :].split(".", 1)[0]
                 break
-        groups.setdefault(key, []).append(u)
-    return list(groups.items())
+        if groups and (groups[-1][0] == key or (key is None and groups[-1][0].startswith("<"))):
+            groups[-1][1].append(u)
+        else:
+            groups.append((key if key is not None else f"<{name}>", [u]))
+    return groups
 
 
 @dataclasses.dataclass
