@@ -34,7 +34,7 @@ QUANTIZERS = {
     "fp8_tensor": Float8Quantizer(),
     "fp8_channel": Float8Quantizer(granularity=Granularity.ROWWISE),
     "fp8_1x128": Float8Quantizer(granularity=Granularity.BLOCKWISE_1D),
-    "fp8_128x128": Float8Quantizer(granularity=Granularity.BLOCKWISE_2D),
+    "fp8_32x32": Float8Quantizer(granularity=Granularity.BLOCKWISE_2D, block_size=32),
     "mxfp8": MXQuantizer(Format.E4M3),
     "mxfp4": MXQuantizer(Format.E2M1),
     "mxfp4_rceil": MXQuantizer(Format.E2M1, ScaleRounding.RCEIL),
@@ -43,7 +43,7 @@ QUANTIZERS = {
 }
 
 
-def _salient(seed: int, out_f: int = 128, in_f: int = 256, n: int = 512, salient: int = 4, boost: float = 20.0):
+def _salient(seed: int, out_f: int = 64, in_f: int = 256, n: int = 384, salient: int = 4, boost: float = 20.0):
     """Inputs with a few salient channels (mean|x| `boost` times the rest), Gaussian weights."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, in_f, generator=g)
@@ -164,7 +164,7 @@ def test_bad_inputs_name_the_value():
         awq_clip(torch.randn(4, 96), INT4_G128, h[:96, :96])
 
 
-@settings(max_examples=14, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(st.integers(0, 2**16), st.sampled_from(sorted(QUANTIZERS)), st.sampled_from([0.0, 20.0]))
 def test_clip_never_increases_the_output_error(seed, name, boost):
     q = QUANTIZERS[name]
@@ -204,7 +204,7 @@ def _clamp_units(w: torch.Tensor, q, bound: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "name", ["int4_g32", "int4_channel", "int8_tensor", "fp8_tensor", "fp8_channel", "fp8_1x128", "fp8_128x128"]
+    "name", ["int4_g32", "int4_channel", "int8_tensor", "fp8_tensor", "fp8_channel", "fp8_1x128", "fp8_32x32"]
 )
 def test_clamping_equals_quantizing_with_the_clipped_amax_int_fp8(name):
     q = QUANTIZERS[name]

@@ -136,7 +136,7 @@ def _floored(stat: torch.Tensor) -> torch.Tensor:
 
 def _weight_mean(weights: Sequence[torch.Tensor], quantizers: Sequence[Quantizer]) -> torch.Tensor:
     """Per input channel mean of |W| / (its scale unit's amax), over the rows of all layers."""
-    total, rows = torch.zeros(weights[0].shape[1], dtype=torch.float64), 0
+    total, rows = torch.zeros(weights[0].shape[1], dtype=torch.float64, device=weights[0].device), 0
     for w, q in zip(weights, quantizers):
         v = _unit_view(w.abs(), q)
         a = v.amax(dim=(1, 3), keepdim=True)
@@ -147,7 +147,7 @@ def _weight_mean(weights: Sequence[torch.Tensor], quantizers: Sequence[Quantizer
 
 def _candidates(x_mean: torch.Tensor, w_mean: torch.Tensor | None, config: AWQ):
     """(r, s) for each grid point, after the identity (None, ones); `w_mean` None: no duo scaling."""
-    yield None, torch.ones(x_mean.shape[0])
+    yield None, torch.ones(x_mean.shape[0], device=x_mean.device)
     x = _floored(x_mean.double())
     w = None if w_mean is None else _floored(w_mean)
     for i in range(config.grid):
@@ -189,12 +189,11 @@ def awq_search(
         _check_weight(w, q, in_f, who, f"weights[{i}]")
     _check_hessian(h, in_f, who)
     with torch.no_grad():
-        h32 = h.float()
         ws = [w.detach().float() for w in weights]
+        h32 = h.to(ws[0].device, torch.float32)
         w_mean = _weight_mean(ws, quantizers) if config.duo_scaling else None
         best = None
-        for r, s in _candidates(x_mean.detach().float().cpu(), w_mean, config):
-            s = s.to(h.device)
+        for r, s in _candidates(x_mean.detach().to(ws[0].device), w_mean, config):
             loss = 0.0
             for w, wf, q in zip(weights, ws, quantizers):
                 scaled = (wf * s).to(w.dtype).float()  # the model's weight after folding, in its dtype
@@ -239,14 +238,14 @@ def awq_clip(weight: torch.Tensor, quantizer: Quantizer, h: torch.Tensor, config
     """
     config = config or AWQ()
     who = "AWQ clip"
-    _check_weight(weight, quantizer, weight.shape[-1] if weight.dim() == 2 else -1, who, "weight")
+    _check_weight(weight, quantizer, weight.shape[-1] if weight.dim() else 0, who, "weight")
     _check_hessian(h, weight.shape[1], who)
     with torch.no_grad():
         w = weight.detach().float()
         view = _unit_view(w, quantizer)
         amax = view.abs().amax(dim=(1, 3), keepdim=True)
         g, cols = view.shape[2], view.shape[3]
-        h32 = h.float()
+        h32 = h.to(w.device, torch.float32)
         h_blocks = h32.reshape(g, cols, g, cols).diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
         keep = amax == amax.max() if isinstance(quantizer, NVFP4Quantizer) else torch.zeros_like(amax, dtype=torch.bool)
         best_bound, best_err = amax, None
