@@ -80,6 +80,20 @@ def test_awq_scales_shared_by_layers_that_read_one_input():
     assert res.ratio is not None and total < 0.6 * rtn
 
 
+def test_per_layer_hessians_for_layers_that_see_different_tokens():
+    # MoE experts behind one norm: one scale vector, each expert's error on its own tokens.
+    (x1, w1), (x2, w2) = _salient(11), _salient(12)
+    res = awq_search([w1, w2], [INT4_G32, INT4_G32], [hessian(x1), hessian(x2)], torch.cat((x1, x2)).abs().mean(0))
+    s = res.scales
+    n = x1.shape[0]
+    assert res.loss == pytest.approx(
+        2 / n * sum(_err(w, _awq_weight(w, INT4_G32, s), x) for w, x in ((w1, x1), (w2, x2))), rel=1e-4
+    )
+    assert res.loss < 0.8 * res.identity_loss
+    with pytest.raises(ValueError, match=r"1 Hessians for 2 weights"):
+        awq_search([w1, w2], [INT4_G32, INT4_G32], [hessian(x1)], x1.abs().mean(0))
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.integers(0, 2**16), st.sampled_from(sorted(QUANTIZERS)), st.booleans(), st.sampled_from([0.0, 20.0]))
 def test_search_losses_are_the_output_errors_and_never_above_identity(seed, name, duo, boost):

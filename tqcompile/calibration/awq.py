@@ -69,9 +69,7 @@ class AWQSearch:
 
 def _check_quantizer(q: Quantizer, who: str) -> None:
     gran, axis, _ = q.layout()
-    if isinstance(q, IntQuantizer):
-        ok = gran is not Granularity.ROWWISE or axis in (-1, 1)
-    elif isinstance(q, Float8Quantizer):
+    if isinstance(q, IntQuantizer | Float8Quantizer):
         ok = gran is not Granularity.ROWWISE or axis in (-1, 1)
     elif isinstance(q, NVFP4Quantizer):
         ok = not q.hadamard and not q.stochastic_rounding
@@ -159,7 +157,7 @@ def _candidates(x_mean: torch.Tensor, w_mean: torch.Tensor | None, config: AWQ):
 def awq_search(
     weights: Sequence[torch.Tensor],
     quantizers: Sequence[Quantizer],
-    h: torch.Tensor,
+    h: torch.Tensor | Sequence[torch.Tensor],
     x_mean: torch.Tensor,
     config: AWQ | None = None,
 ) -> AWQSearch:
@@ -167,7 +165,9 @@ def awq_search(
 
     Args:
         quantizers: each weight's quantizer (as `tq.calibrate` will quantize it).
-        h: the input's Hessian ``2 X^T X / n`` (in, in).
+        h: the input's Hessian ``2 X^T X / n`` (in, in), or one per weight where the layers see
+            different rows of the input (MoE experts behind one norm: each expert's Hessian of its
+            own tokens, times its share of the tokens, so the losses add up as output errors).
         x_mean: the input's per-channel ``mean|x|`` (in,), non-negative and finite.
 
     Returns the `AWQSearch` with the least output error summed over the layers; the scales are
@@ -187,15 +187,20 @@ def awq_search(
         )
     for i, (w, q) in enumerate(zip(weights, quantizers)):
         _check_weight(w, q, in_f, who, f"weights[{i}]")
-    _check_hessian(h, in_f, who)
+    shared = isinstance(h, torch.Tensor)
+    hs = [h] * len(weights) if shared else list(h)
+    if len(hs) != len(weights):
+        raise ValueError(f"{who}: got {len(hs)} Hessians for {len(weights)} weights; allowed: one Hessian, or one per weight")
+    for hi in hs:
+        _check_hessian(hi, in_f, who)
     with torch.no_grad():
         ws = [w.detach().float() for w in weights]
-        h32 = h.to(ws[0].device, torch.float32)
+        h32s = [h.to(ws[0].device, torch.float32)] * len(ws) if shared else [hi.to(ws[0].device, torch.float32) for hi in hs]
         w_mean = _weight_mean(ws, quantizers) if config.duo_scaling else None
         best = None
         for r, s in _candidates(x_mean.detach().to(ws[0].device), w_mean, config):
             loss = 0.0
-            for w, wf, q in zip(weights, ws, quantizers):
+            for w, wf, q, h32 in zip(weights, ws, quantizers, h32s):
                 scaled = (wf * s).to(w.dtype).float()  # the model's weight after folding, in its dtype
                 loss += _output_error(wf - _rtn(scaled, q) / s, h32)
             if best is None:
@@ -208,7 +213,7 @@ def awq_search(
 def awq_scales(
     weights: Sequence[torch.Tensor],
     quantizers: Sequence[Quantizer],
-    h: torch.Tensor,
+    h: torch.Tensor | Sequence[torch.Tensor],
     x_mean: torch.Tensor,
     config: AWQ | None = None,
 ) -> torch.Tensor:
