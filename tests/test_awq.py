@@ -150,6 +150,12 @@ def test_dead_channels_and_zero_statistics_give_finite_scales():
             res = awq_search([w], [INT4_G32], hessian(x), xm, AWQ(grid=10, duo_scaling=duo))
             s = res.scales
             assert bool(torch.isfinite(s).all()) and float(s.min()) >= 1e-2 and float(s.max()) <= 1e2, (duo, s)
+    # A layer kept in high precision adds nothing; with no quantized layer the identity stays.
+    with_router = awq_search([w, torch.randn(8, 256)], [INT4_G32, None], hessian(x), x.abs().mean(0))
+    assert torch.equal(with_router.scales, awq_scales([w], [INT4_G32], hessian(x), x.abs().mean(0)))
+    res = awq_search([torch.randn(8, 256)], [None], hessian(x), x.abs().mean(0))
+    assert res.ratio is None and res.loss == 0.0
+    assert torch.equal(awq_clip(w, None, hessian(x)), w)
     # An all-zero layer: nothing to gain, the identity stays.
     res = awq_search([torch.zeros(16, 256)], [INT4_G32], hessian(x), x.abs().mean(0))
     assert res.ratio is None and res.loss == 0.0

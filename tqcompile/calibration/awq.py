@@ -82,15 +82,16 @@ def _check_quantizer(q: Quantizer, who: str) -> None:
         )
 
 
-def _check_weight(w: torch.Tensor, q: Quantizer, in_features: int, who: str, name: str) -> None:
+def _check_weight(w: torch.Tensor, q: Quantizer | None, in_features: int, who: str, name: str) -> None:
     if w.dim() != 2 or not w.is_floating_point() or w.shape[1] != in_features:
         raise ValueError(
             f"{who}: {name} has shape {tuple(w.shape)} and dtype {w.dtype}; allowed: a 2-D float (out, {in_features}) weight"
         )
     if not bool(torch.isfinite(w).all()):
         raise ValueError(f"{who}: {name} holds NaN or Inf values; allowed: finite weights")
-    _check_quantizer(q, who)
-    q.check_shape(w.shape)
+    if q is not None:
+        _check_quantizer(q, who)
+        q.check_shape(w.shape)
 
 
 def _check_hessian(h: torch.Tensor, in_features: int, who: str) -> None:
@@ -132,15 +133,17 @@ def _floored(stat: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(stat) if top <= 0 else stat.clamp(min=float(top) * _REL_FLOOR)
 
 
-def _weight_mean(weights: Sequence[torch.Tensor], quantizers: Sequence[Quantizer]) -> torch.Tensor:
-    """Per input channel mean of |W| / (its scale unit's amax), over the rows of all layers."""
+def _weight_mean(weights: Sequence[torch.Tensor], quantizers: Sequence[Quantizer | None]) -> torch.Tensor:
+    """Per input channel mean of |W| / (its scale unit's amax), over the rows of the quantized layers."""
     total, rows = torch.zeros(weights[0].shape[1], dtype=torch.float64, device=weights[0].device), 0
     for w, q in zip(weights, quantizers):
+        if q is None:
+            continue
         v = _unit_view(w.abs(), q)
         a = v.amax(dim=(1, 3), keepdim=True)
         total += (v / torch.where(a > 0, a, torch.ones_like(a))).reshape(w.shape).sum(0, dtype=torch.float64)
         rows += w.shape[0]
-    return total / rows
+    return total / max(rows, 1)
 
 
 def _candidates(x_mean: torch.Tensor, w_mean: torch.Tensor | None, config: AWQ):
@@ -156,7 +159,7 @@ def _candidates(x_mean: torch.Tensor, w_mean: torch.Tensor | None, config: AWQ):
 
 def awq_search(
     weights: Sequence[torch.Tensor],
-    quantizers: Sequence[Quantizer],
+    quantizers: Sequence[Quantizer | None],
     h: torch.Tensor | Sequence[torch.Tensor],
     x_mean: torch.Tensor,
     config: AWQ | None = None,
@@ -164,7 +167,8 @@ def awq_search(
     """AWQ's scale search for the layers whose (out_i, in) `weights` read one input.
 
     Args:
-        quantizers: each weight's quantizer (as `tq.calibrate` will quantize it).
+        quantizers: each weight's quantizer (as `tq.calibrate` will quantize it); None for a layer
+            kept in high precision (its output does not change: it adds nothing to the loss).
         h: the input's Hessian ``2 X^T X / n`` (in, in), or one per weight where the layers see
             different rows of the input (MoE experts behind one norm: each expert's Hessian of its
             own tokens, times its share of the tokens, so the losses add up as output errors).
@@ -201,6 +205,8 @@ def awq_search(
         for r, s in _candidates(x_mean.detach().to(ws[0].device), w_mean, config):
             loss = 0.0
             for w, wf, q, h32 in zip(weights, ws, quantizers, h32s):
+                if q is None:
+                    continue
                 scaled = (wf * s).to(w.dtype).float()  # the model's weight after folding, in its dtype
                 loss += _output_error(wf - _rtn(scaled, q) / s, h32)
             if best is None:
@@ -212,7 +218,7 @@ def awq_search(
 
 def awq_scales(
     weights: Sequence[torch.Tensor],
-    quantizers: Sequence[Quantizer],
+    quantizers: Sequence[Quantizer | None],
     h: torch.Tensor | Sequence[torch.Tensor],
     x_mean: torch.Tensor,
     config: AWQ | None = None,
@@ -229,7 +235,7 @@ def _unit_errors(d: torch.Tensor, h_blocks: torch.Tensor, shape: torch.Size) -> 
     return per_row.T.reshape(r, rows, g).sum(1)
 
 
-def awq_clip(weight: torch.Tensor, quantizer: Quantizer, h: torch.Tensor, config: AWQ | None = None) -> torch.Tensor:
+def awq_clip(weight: torch.Tensor, quantizer: Quantizer | None, h: torch.Tensor, config: AWQ | None = None) -> torch.Tensor:
     """AWQ's clipping search: `weight` (out, in) clamped per scale unit to ``ratio * amax``.
 
     Ratios run from 1 down to ``1 - config.max_shrink`` in ``config.clip_grid`` steps; each unit
@@ -239,12 +245,15 @@ def awq_clip(weight: torch.Tensor, quantizer: Quantizer, h: torch.Tensor, config
     every block's scale arithmetic, is the one the search measured. The result is returned
     unclamped if its total output error ``tr(D H D^T)`` would be larger than the unclamped
     weight's (the search ignores the error's cross terms between units), so clipping never
-    increases the output error on its data. Returns a tensor of `weight`'s dtype.
+    increases the output error on its data. Returns a tensor of `weight`'s dtype (a copy of
+    `weight` where `quantizer` is None: a weight kept in high precision has nothing to clip).
     """
     config = config or AWQ()
     who = "AWQ clip"
     _check_weight(weight, quantizer, weight.shape[-1] if weight.dim() else 0, who, "weight")
     _check_hessian(h, weight.shape[1], who)
+    if quantizer is None:
+        return weight.detach().clone()
     with torch.no_grad():
         w = weight.detach().float()
         view = _unit_view(w, quantizer)
