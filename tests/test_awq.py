@@ -205,12 +205,17 @@ def test_clip_lowers_the_error_after_awq(name):
     assert _err(w, _rtn(clipped, q) / s, x) < 0.95 * _err(w, _awq_weight(w, q, s), x)
 
 
-def test_clip_keeps_the_weight_dtype_and_its_values_representable():
+def test_bf16_weights_are_rounded_as_the_model_stores_them():
     x, w = _salient(7)
     wb = w.bfloat16()
     clipped = awq_clip(wb, INT4_G32, hessian(x))
     assert clipped.dtype == torch.bfloat16 and not torch.equal(clipped, wb)
     assert _err(wb.float(), _rtn(clipped, INT4_G32).float(), x) <= _err(wb.float(), _rtn(wb, INT4_G32).float(), x)
+    # The search rounds the folded weight to the model's dtype before quantizing it, as the model will.
+    res = awq_search([wb], [INT4_G32], hessian(x), x.abs().mean(0))
+    folded = (wb.float() * res.scales).bfloat16().float()
+    want = 2 / x.shape[0] * _err(wb.float(), _rtn(folded, INT4_G32) / res.scales, x)
+    assert res.scales.dtype == torch.float32 and res.loss == pytest.approx(want, rel=1e-4)
 
 
 def _clamp_units(w: torch.Tensor, q, bound: torch.Tensor) -> torch.Tensor:
