@@ -30,11 +30,11 @@ from tqcompile.calibration.algorithms import AWQ, AlgorithmPlan, SmoothQuant
 from tqcompile.calibration.fake_quant import fake_quantize, static_amax_kind
 from tqcompile.calibration.folds import Fold, FoldRecorder, apply_fold, outputs, prove_fold
 from tqcompile.calibration.gptq import gptq_quantize
-from tqcompile.calibration.modules import ExpertGemmQuantizers, canonical_modules, kind_of
+from tqcompile.calibration.modules import FUSED_SIBLINGS, ExpertGemmQuantizers, canonical_modules, kind_of
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.kernels.reference import unit_amax
 from tqcompile.ops import amax as tensor_amax
-from tqcompile.quantizers import Granularity, Quantizer
+from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 
 __all__ = ["run_transforms", "WeightUndo", "TRANSFORM_KINDS"]
 
@@ -219,9 +219,10 @@ def _run_group(ctx: _Context, gname: str, members: list, desc: str) -> None:
         ctx.methods.setdefault(id(u), [])
     if plan.smoothing is not None:
         _smooth(ctx, members, stats, recorder)
+    held = _fused_nvfp4_amax(ctx, members) if plan.gptq is not None else {}
     for u in members:
         if plan.gptq is not None:
-            _gptq(ctx, u, stats[id(u)])
+            _gptq(ctx, u, stats[id(u)], held.get(id(u)))
         else:
             ctx.methods[id(u)].append(plan.scale_search)
 
@@ -379,8 +380,27 @@ def _rtn_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
     return tensor_amax(w, q) if q.layout()[0] is Granularity.TENSORWISE or q.uses_tensor_amax() else unit_amax(w, q)
 
 
-def _gptq(ctx: _Context, unit, st: _Stats) -> None:
-    """GPTQ-round the unit's weight in place (per expert), and fix its static amax."""
+def _fused_nvfp4_amax(ctx: _Context, members: list) -> dict[int, torch.Tensor]:
+    """{id(unit): amax} for NVFP4 Linear weights an engine fuses into one GEMM (q/k/v, gate/up: one
+    global scale, see `FUSED_SIBLINGS`): the max of their tensor amaxes before any is rounded, so each
+    is rounded under the global scale it is served with and exports as it is."""
+    families: dict[tuple[str, tuple], list] = {}
+    for u in members:
+        parent, _, leaf = ctx.names.get(id(u), "").rpartition(".")
+        fam = next((f for f in FUSED_SIBLINGS if leaf in f), None)
+        if fam is not None and isinstance(u.weight_quantizer.quantizer, NVFP4Quantizer) and _weight(u).dim() == 2:
+            families.setdefault((parent, fam), []).append(u)
+    held = {}
+    for group in families.values():
+        if len(group) > 1:
+            top = torch.stack([_rtn_amax(_weight(u).detach().float(), u.weight_quantizer.quantizer) for u in group]).amax()
+            held.update({id(u): top for u in group})
+    return held
+
+
+def _gptq(ctx: _Context, unit, st: _Stats, held_amax: torch.Tensor | None = None) -> None:
+    """GPTQ-round the unit's weight in place (per expert), and fix its static amax (`held_amax`: an
+    NVFP4 tensor amax shared by a fused group)."""
     t = unit.weight_quantizer
     q, kind, name = t.quantizer, t.static_kind, ctx.names.get(id(unit), "?")
     amaxes, hows = [], set()
@@ -392,7 +412,7 @@ def _gptq(ctx: _Context, unit, st: _Stats) -> None:
                 ctx.fell_back.append(f"  {label}: received no tokens during calibration (its Hessian is empty)")
             else:
                 try:
-                    qw, amax, how = gptq_quantize(w, st.hessian(e), q, ctx.plan.gptq, name=label)
+                    qw, amax, how = gptq_quantize(w, st.hessian(e), q, ctx.plan.gptq, name=label, tensor_amax=held_amax)
                 except ValueError as err:
                     qw, amax, how = _round_to_nearest(w, q), (_rtn_amax(w.float(), q) if kind else None), "rtn"
                     ctx.fell_back.append(f"  {label}: {err}")
