@@ -160,6 +160,20 @@ def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
     assert torch.equal(_logits(smoothed), ref)
 
 
+def test_awq_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    monkeypatch.setattr(tfm, "_awq_scales", lambda fold, stats, algo: 2.0 ** torch.randint(-2, 3, (_weight_in(fold),), generator=g).float())
+    ref = _logits(tiny_llama())
+    model = tiny_llama()
+    _calibrate(model, tq.configs.int4_weight_only(32), tq.AWQ(clip=False))
+    assert set(_methods(model).values()) == {"awq+max"} and len(_methods(model)) == 14
+    assert torch.equal(_logits(_float_copy(model, tiny_llama)), ref)
+
+
+def _weight_in(fold) -> int:
+    return tfm._weight(fold.consumers[0]).shape[-1]
+
+
 def test_smoothing_fold_with_real_scales_is_within_float_rounding():
     ref = _logits(tiny_llama())
     model = tiny_llama()
@@ -221,6 +235,18 @@ def test_gptq_lowers_the_error_of_round_to_nearest():
     assert errors[repr(tq.GPTQ(act_order=True))] < 0.9 * errors["'max'"], errors
 
 
+def test_awq_lowers_the_error_of_round_to_nearest():
+    """INT4 g32 on held-out data: measured 0.091 (AWQ), 0.090 (AWQ then GPTQ) against 0.104 (max)."""
+    ref = _logits(tiny_llama(), TEST_GPTQ)
+    errors = {}
+    for algo in ("max", "awq", ("awq", "gptq")):
+        model = tiny_llama()
+        _calibrate(model, tq.configs.int4_weight_only(32), algo, CALIB_GPTQ)
+        errors[str(algo)] = _rel(_logits(model, TEST_GPTQ), ref)
+    assert errors["awq"] < 0.92 * errors["max"] and errors["('awq', 'gptq')"] < 0.92 * errors["max"], errors
+    assert set(_methods(model).values()) == {"awq+gptq"}
+
+
 def test_smoothquant_then_gptq_runs_in_that_order():
     model = tiny_llama()
     _calibrate(model, tq.configs.int8(), ("smoothquant", "gptq"))
@@ -264,12 +290,15 @@ _CASES = {
     "smoothquant-fp8": ("smoothquant", tq.configs.fp8),
     "gptq-mxfp8": ("gptq", tq.configs.mxfp8),
     "gptq-nvfp4": ("gptq", tq.configs.nvfp4),  # q/k/v and gate/up rounded under their shared global scale
+    "awq-int4g32": ("awq", lambda: tq.configs.int4_weight_only(32)),
+    "awq-gptq-int4g32": (("awq", "gptq"), lambda: tq.configs.int4_weight_only(32)),
+    "awq-nvfp4": ("awq", tq.configs.nvfp4),
 }
 
 
 @pytest.mark.parametrize("case", list(_CASES))
 def test_transformed_model_exports_and_restores(tmp_path, case):
-    from test_export import _assert_bits, _decompress, _read
+    from test_export import _assert_bits, _decompress, _read, _shared_nvfp4_amax
 
     algo, make = _CASES[case]
     model = tiny_llama()
@@ -282,6 +311,9 @@ def test_transformed_model_exports_and_restores(tmp_path, case):
                 want = m.weight_quantizer(m.weight)
             if "gptq" in algo:
                 assert torch.equal(want, m.weight.float()), f"{name}: GPTQ's weight is not on its grid"
+            elif "nvfp4" in case and _shared_nvfp4_amax(model, name) is not None:
+                # Without GPTQ, fused NVFP4 weights are exported under their group's global scale (as in test_export).
+                want = tq.quantize(m.weight.detach(), m.weight_quantizer.quantizer, amax=_shared_nvfp4_amax(model, name)).dequantize()
             _assert_bits(_decompress(str(tmp_path / "ckpt"), tensors, name), want, f"{case} {name}")
     # quant_state + the model's state_dict rebuild it exactly, with how each weight was made.
     state = tq.quant_state(model)

@@ -178,7 +178,7 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     if ctx.unsmoothed:
         warnings.warn(
             f"tq.calibrate: {type(plan.smoothing).__name__} left these layers unsmoothed (no op produces their input that a "
-            "per-channel scale folds into exactly; proved on the first calibration batch); they are rounded without it:\n"
+            "per-channel scale folds into exactly; proved on the first calibration batch); they are rounded without scales:\n"
             + "\n".join(ctx.unsmoothed),
             CalibrationWarning,
             stacklevel=3,
@@ -316,10 +316,14 @@ def _proved(ctx: _Context, fold: Fold, run, baseline, channels: int) -> bool:
 
 def _smooth(ctx: _Context, members: list, stats: dict, recorder: FoldRecorder) -> None:
     folds, left = _find_folds(ctx, members, recorder)
-    for u in left:
-        ctx.unsmoothed.append(f"  {ctx.names.get(id(u), '?')}")
     algo = ctx.plan.smoothing
     name = "smoothquant" if isinstance(algo, SmoothQuant) else "awq"
+    clip = isinstance(algo, AWQ) and algo.clip
+    for u in left:
+        ctx.unsmoothed.append(f"  {ctx.names.get(id(u), '?')}" + (": weight clipping search only" if clip else ""))
+        if clip:  # the clipping search needs no fold
+            _awq_clip(ctx, u, stats[id(u)], algo)
+            ctx.methods[id(u)].append("awq-clip")
     for fold in folds:
         first = stats[id(fold.consumers[0])]
         if isinstance(algo, SmoothQuant):
@@ -355,11 +359,12 @@ def _awq_scales(fold: Fold, stats: dict, algo: AWQ) -> torch.Tensor:
     weights, quantizers, hessians = [], [], []
     for u in fold.consumers:
         st = stats[id(u)]
+        share = st.n / st.n.sum().clamp(min=1)  # experts: each one's error counts by its share of the tokens
         for e, w in _per_expert(u):
             if st.n[e] > 0:
-                weights.append(w.detach().float())
+                weights.append(w.detach())  # in its own dtype: the search rounds the folded weight as the model stores it
                 quantizers.append(u.weight_quantizer.quantizer)
-                hessians.append(st.hessian(e))
+                hessians.append(st.hessian(e) * share[e])
     x_mean = stats[id(fold.consumers[0])].x_mean()
     if not weights:
         return torch.ones_like(x_mean)
@@ -373,7 +378,7 @@ def _awq_clip(ctx: _Context, unit, st: _Stats, algo: AWQ) -> None:
     with torch.no_grad():
         for e, w in _per_expert(unit):
             if st.n[e] > 0:
-                clipped = awq_clip(w.detach().float(), q, st.hessian(e), algo)
+                clipped = awq_clip(w.detach(), q, st.hessian(e), algo)
                 ctx.undo.save(w)
                 w.copy_(clipped.to(w.dtype))
 
