@@ -250,7 +250,7 @@ def test_forward_loop_that_raises_or_never_calls_the_model():
     with pytest.raises(KeyError, match="data loader broke"):
         tq.calibrate(model, tq.configs.fp8(), bad, progress=False)
     assert _snapshot(model)[0] == before[0] and not hasattr(model.fc1, "input_quantizer")
-    with pytest.raises(RuntimeError, match="forward_loop never called the model"):
+    with pytest.raises(RuntimeError, match="forward_loop .* called neither the model"):
         tq.calibrate(model, tq.configs.fp8(), lambda m: None, progress=False)
     assert _snapshot(model)[0] == before[0]
     with pytest.raises(ValueError, match="algorithm='minmax' is not allowed"):

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -24,7 +25,8 @@ from torch import nn
 
 import tqcompile as tq
 from tqcompile.calibration import CalibrationWarning, QuantRule
-from tqcompile.calibration import transforms as tfm
+from tqcompile.calibration import smoothing as sm
+from tqcompile.calibration.layer_stats import weight_of
 from tqcompile.configs import GEMM_LAYERS, default_disabled
 from tqcompile.formats import Format
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer
@@ -140,10 +142,10 @@ def _power_of_two_scales(monkeypatch):
     g = torch.Generator().manual_seed(5)
 
     def scales(fold, stats, algo):
-        n = tfm._weight(fold.consumers[0]).shape[-1]
+        n = weight_of(fold.consumers[0]).shape[-1]
         return 2.0 ** torch.randint(-2, 3, (n,), generator=g).float()
 
-    monkeypatch.setattr(tfm, "_smoothquant_scales", scales)
+    monkeypatch.setattr(sm, "_smoothquant_scales", scales)
 
 
 def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
@@ -162,7 +164,7 @@ def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
 
 def test_awq_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
     g = torch.Generator().manual_seed(6)
-    monkeypatch.setattr(tfm, "_awq_scales", lambda fold, stats, algo: 2.0 ** torch.randint(-2, 3, (_weight_in(fold),), generator=g).float())
+    monkeypatch.setattr(sm, "_awq_scales", lambda fold, stats, algo: 2.0 ** torch.randint(-2, 3, (_weight_in(fold),), generator=g).float())
     ref = _logits(tiny_llama())
     model = tiny_llama()
     _calibrate(model, tq.configs.int4_weight_only(32), tq.AWQ(clip=False))
@@ -171,7 +173,7 @@ def test_awq_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
 
 
 def _weight_in(fold) -> int:
-    return tfm._weight(fold.consumers[0]).shape[-1]
+    return weight_of(fold.consumers[0]).shape[-1]
 
 
 def test_smoothing_fold_with_real_scales_is_within_float_rounding():
@@ -409,3 +411,105 @@ def test_expert_without_tokens_is_rounded_to_nearest_with_a_warning():
     w = model.model.layers[0].mlp.experts.gate_up_proj_gemm
     with torch.no_grad():
         assert torch.equal(w.weight_quantizer(w.weight)[3], w.weight[3].float())
+
+
+# ------------------------------------------------------------------------------------------------
+# Found by review: folds and weights that must not move
+# ------------------------------------------------------------------------------------------------
+class _SharedNormHeads(nn.Module):
+    """One norm read by linears in different ModuleList elements (different sequential groups)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(64)
+        self.heads = nn.ModuleList([nn.Linear(64, 64) for _ in range(2)])
+
+    def forward(self, x):
+        h = self.norm(x)
+        return sum(torch.relu(p(h)) for p in self.heads)
+
+
+def test_a_later_fold_never_moves_a_weight_an_earlier_group_rounded():
+    xs = [torch.randn(64, 64, generator=torch.Generator().manual_seed(i)) * torch.linspace(0.1, 8, 64) for i in range(3)]
+    for algo in (("smoothquant", "gptq"), ("awq", "gptq")):
+        model = _SharedNormHeads().eval()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm=algo, progress=False)
+        for i, head in enumerate(model.heads):
+            with torch.no_grad():
+                assert torch.equal(head.weight_quantizer(head.weight), head.weight), f"{algo}: heads.{i} is off its grid"
+
+
+class _Clamped(nn.Module):
+    """fc1 -> clamp -> fc2: linear only inside the clamp, which small probe scales may never reach."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+        with torch.no_grad():
+            self.fc1.weight.mul_(0.15)
+            self.fc1.bias.zero_()
+            self.fc2.weight.mul_(200.0)
+
+    def forward(self, x):
+        return self.fc2(torch.clamp(self.fc1(x), -1.0, 1.0))
+
+
+def test_no_fold_through_a_clamp():
+    xs = [torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = _Clamped().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm="smoothquant", progress=False)
+    assert any("fc2" in str(w.message) for w in caught)
+    fresh = _Clamped().eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(xs[0]), _Clamped().eval()(xs[0]))
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+
+
+class _DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))
+
+    def forward(self, x):
+        return _Out(self.body(x))
+
+
+def test_folds_are_proved_on_dataclass_outputs_and_a_loop_that_skips_the_model_is_named():
+    x = torch.randn(16, 32)
+    model = _DataclassOut().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(x), algorithm="smoothquant", progress=False)
+    assert not [w for w in caught if issubclass(w.category, CalibrationWarning)]
+    assert _methods(model)["body.1"] == "smoothquant+max"
+    model = _DataclassOut().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, tq.configs.int8(), lambda m: m.body(x), algorithm="smoothquant", progress=False)
+    assert any("never called the model itself" in str(w.message) for w in caught)
+
+
+def test_gptq_leaves_a_tied_weight_alone():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    embed = model.model.embed_tokens.weight.detach().clone()
+    config = tq.configs.int4_weight_only(32).with_rules(QuantRule(name="lm_head", weight=IntQuantizer(Format.INT4, Granularity.BLOCKWISE_1D, block_size=32)))
+    caught = _calibrate(model, config, "gptq")
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert any("lm_head: its weight is tied" in m for m in caught), caught

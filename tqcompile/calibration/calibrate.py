@@ -40,6 +40,7 @@ from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer
+from tqcompile.calibration.layer_stats import WeightUndo
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
     FakeQuantModule,
@@ -59,7 +60,7 @@ from tqcompile.calibration.modules import (
 from tqcompile.calibration.passes import CalibrationWarning
 from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
-from tqcompile.calibration.transforms import WeightUndo, run_transforms
+from tqcompile.calibration.transforms import run_transforms
 from tqcompile.kernels.reference import unit_amax
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 

@@ -13,21 +13,25 @@ folded into the op that produces `x`, so the model computes exactly what it comp
 
 Candidates come from one recorded forward call (which norm produced the storage a layer reads;
 which linears of the right width ran before it), and each candidate is *proved* on that call's
-inputs: the fold is applied with random power-of-two scales, which scale every product and sum
-exactly, and the model's outputs must stay bit for bit the same (then it is undone, exactly). A
-candidate the proof rejects (another op reads the norm's output; a non-linear op in between; a
-model whose output is random) is not used, and the layer is reported unsmoothed.
+inputs: the fold is applied with random power-of-two scales (2^-6 .. 2^6), which scale every
+product and sum exactly, and the model's outputs must stay bit for bit the same (then it is
+undone, exactly). A candidate the proof rejects (another op reads the norm's output; a non-linear
+op in between; a model whose output is random) is not used, and the layer is reported unsmoothed.
+The fold with the scales actually chosen is checked once more on the same inputs (within the
+rounding of the folded weights' dtype, `fold_tolerance`), which catches an op that is linear only
+over part of the range (a clamp whose bound the probe scales never reached).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["Fold", "FoldRecorder", "apply_fold", "prove_fold"]
+__all__ = ["Fold", "FoldRecorder", "apply_fold", "prove_fold", "fold_tolerance", "same_outputs", "outputs"]
 
 
 @dataclasses.dataclass
@@ -121,22 +125,44 @@ def _tensors(out) -> list[torch.Tensor]:
         return [t for v in out.values() for t in _tensors(v)]
     if isinstance(out, list | tuple):
         return [t for v in out for t in _tensors(v)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in _tensors(getattr(out, f.name))]
     return []
+
+
+def same_outputs(out, baseline: list[torch.Tensor], tol: float) -> bool:
+    """Whether `out` equals `baseline` (bit for bit with ``tol == 0``, else within a relative L2 of `tol`)."""
+    got = _tensors(out)
+    if not got or len(got) != len(baseline) or any(a.shape != b.shape for a, b in zip(got, baseline)):
+        return False
+    if tol == 0:
+        return all(torch.equal(a, b) for a, b in zip(got, baseline))
+    diff = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(got, baseline))
+    norm = sum(float(b.double().square().sum()) for b in baseline)
+    return math.isfinite(diff) and diff <= tol * tol * max(norm, 1e-30)
 
 
 def prove_fold(fold: Fold, run: Callable[[], object], baseline: list[torch.Tensor], weight_of, channels: int, seed: int) -> bool:
     """Whether folding into `fold.producer` leaves the model's outputs bit for bit unchanged (proved
-    with power-of-two scales, then undone exactly; see the module docstring)."""
+    with power-of-two scales from 2^-6 to 2^6, then undone exactly; see the module docstring). The
+    wide range catches ops that are linear only over part of it (a clamp, a saturating activation)."""
     g = torch.Generator().manual_seed(seed)
-    r = torch.where(torch.rand(channels, generator=g) < 0.5, 0.5, 2.0)
-    ok = False
+    device = fold.producer._parameters["weight"].device
+    exps = torch.randint(1, 7, (channels,), generator=g) * torch.where(torch.rand(channels, generator=g) < 0.5, -1, 1)
+    r = (2.0 ** exps.float()).to(device)
     try:
         apply_fold(fold, r, weight_of, lambda t: None)
-        out = _tensors(run())
-        ok = bool(out) and len(out) == len(baseline) and all(torch.equal(a, b) for a, b in zip(out, baseline))
+        ok = same_outputs(run(), baseline, 0.0)
     finally:
         apply_fold(fold, 1.0 / r, weight_of, lambda t: None)
     return ok
+
+
+def fold_tolerance(fold: Fold, weight_of) -> float:
+    """How far a fold with real-valued scales may move the model's outputs (relative L2): each folded
+    weight is rounded once more in its dtype, so a few of its ulps (1e-4 at least, for float32)."""
+    dtypes = [fold.producer._parameters["weight"].dtype, *(weight_of(u).dtype for u in fold.consumers)]
+    return max(1e-4, 4 * max(torch.finfo(d).eps for d in dtypes))
 
 
 def outputs(out) -> list[torch.Tensor]:

@@ -104,7 +104,7 @@ class _BlockScaled:
         self.scales = torch.cat([self._scale(c) for c in blocks], 1) if act_order else w.new_zeros(w.shape[0], len(blocks))
         # Where each block's columns come in the visiting order (`perm`), and which rows' blocks hold a ±6 (NVFP4 pins one).
         self.visits = torch.argsort(perm).reshape(len(blocks), self.block).sort(dim=1).values
-        self.topped = torch.zeros(w.shape[0], len(blocks), dtype=torch.bool)
+        self.topped = torch.zeros(w.shape[0], len(blocks), dtype=torch.bool, device=w.device)
 
     def _scale(self, cols: torch.Tensor) -> torch.Tensor:
         """(out, 1) fp32 scale tq picks for the block `cols` (out, block): MX ``2**e``, NVFP4 ``s_blk``."""
@@ -150,7 +150,7 @@ def _one_thread():
 def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor | None:
     """Upper Cholesky factor of the dampened Hessian's inverse; None if it stays singular after
     raising the dampening tenfold twice."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     mean_diag = h.diagonal().mean().clamp(min=1e-12)
     for damp in (dampening, dampening * 10, dampening * 100):
         lower, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
@@ -217,7 +217,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     dead = h.diagonal() == 0  # inputs always zero: any weight there is free; make them zero
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f)
+    perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f, device=w.device)
     start_amax = held_amax if held_amax is not None else _static_amax(w, quantizer)
     blocked = (
         _BlockScaled(quantizer, w, perm, config.act_order, start_amax)
@@ -233,7 +233,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     elif gran is Granularity.ROWWISE:
         amax = unit_amax(w, quantizer)
     else:
-        amax = unit_amax(w, quantizer) if config.act_order else torch.zeros(out_f, in_f // block)  # static groups with act_order
+        amax = unit_amax(w, quantizer) if config.act_order else w.new_zeros(out_f, in_f // block)  # static groups with act_order
 
     def col_amax(j: int) -> torch.Tensor:
         if gran is Granularity.TENSORWISE:
@@ -252,7 +252,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     step = -(-config.block_size // block) * block if gran is Granularity.BLOCKWISE_1D else config.block_size
     for i1 in range(0, in_f, step):
         i2 = min(i1 + step, in_f)
-        w1, err = w[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1)
+        w1, err = w[:, i1:i2].clone(), w.new_zeros(out_f, i2 - i1)
         h1 = hinv[i1:i2, i1:i2].float()
         with _one_thread():  # tiny per-column ops: thread hand-offs cost more than they give (measured 100x on 2 busy cores)
             for i in range(i2 - i1):

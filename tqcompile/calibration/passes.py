@@ -44,7 +44,8 @@ def run_loop(model: nn.Module, forward_loop, modules: list[nn.Module], desc: str
         bar.close()
     if calls == [0, 0]:
         raise RuntimeError(
-            "tq.calibrate: forward_loop never called the model; it must run calibration data through it, e.g. lambda m: [m(x) for x in batches]"
+            f"tq.calibrate: forward_loop ({desc}) called neither the model nor any of the {len(modules)} layers being calibrated; "
+            "it must run calibration data through the model, e.g. lambda m: [m(x) for x in batches]"
         )
 
 

@@ -1,0 +1,151 @@
+"""What the weight transforms share: each layer's input statistics, the weight a layer's GEMM uses,
+the run's context, and the undo log (see `tqcompile.calibration.transforms`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from tqcompile.calibration.algorithms import AlgorithmPlan
+from tqcompile.calibration.modules import ExpertGemmQuantizers
+
+__all__ = [
+    "LayerStats",
+    "WeightUndo",
+    "Context",
+    "tied_parameters",
+    "weight_of",
+    "input_module",
+    "reads_module_input",
+    "per_expert",
+    "TRANSFORM_KINDS",
+]
+
+TRANSFORM_KINDS = ("Linear", "Experts", "GroupedLinear")
+
+
+class WeightUndo:
+    """Copies (on the CPU) of every parameter a transform changed, taken before its first change,
+    so that a failing `tq.calibrate` leaves the model exactly as it was."""
+
+    def __init__(self):
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def save(self, t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        if id(base) not in self._saved:
+            self._saved[id(base)] = (base, base.detach().to("cpu", copy=True))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for base, copy in self._saved.values():
+                base.copy_(copy.to(base.device))
+        self._saved.clear()
+
+
+class LayerStats:
+    """One layer's input statistics (index e: an expert; a Linear has one)."""
+
+    def __init__(self, unit: nn.Module, in_features: int, experts: int, hessian: bool):
+        self.unit = unit
+        dev = weight_of(unit).device
+        self.n = torch.zeros(experts, dtype=torch.float64, device=dev)
+        self.ch_max = torch.zeros(experts, in_features, device=dev)
+        self.abs_sum = torch.zeros(experts, in_features, dtype=torch.float64, device=dev)
+        self.h = torch.zeros(experts, in_features, in_features, dtype=torch.float64, device=dev) if hessian else None
+
+    def __call__(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            x = x.detach().reshape(-1, x.shape[-1]).float()
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(
+                    f"tq.calibrate: the input of module {self.unit.input_quantizer.owner!r} holds NaN or Inf values during "
+                    "calibration; calibration needs finite activations (check the data and the model's numerics before this layer)"
+                )
+            bounds = [0, x.shape[0]] if ends is None else [0, *ends.tolist()]
+            for e in range(len(bounds) - 1):
+                xs = x[bounds[e] : bounds[e + 1]]
+                if xs.shape[0] == 0:
+                    continue
+                a = xs.abs()
+                self.n[e] += xs.shape[0]
+                self.ch_max[e] = torch.maximum(self.ch_max[e], a.amax(0))
+                self.abs_sum[e] += a.sum(0, dtype=torch.float64)
+                if self.h is not None:
+                    self.h[e] += (xs.T @ xs).double()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.n, self.abs_sum, self.h) if t is not None]
+
+    def hessian(self, e: int) -> torch.Tensor:
+        return 2.0 * self.h[e] / self.n[e].clamp(min=1)
+
+    def x_mean(self) -> torch.Tensor:
+        return (self.abs_sum.sum(0) / self.n.sum().clamp(min=1)).float()
+
+    def rescale(self, s: torch.Tensor) -> None:
+        """The statistics of ``x / s`` (after a fold)."""
+        s64 = s.double()
+        self.ch_max /= s
+        self.abs_sum /= s64
+        if self.h is not None:
+            self.h /= torch.outer(s64, s64)
+
+
+@dataclasses.dataclass
+class Context:
+    """One `run_transforms` call: the model, the user's loop, the plan, and what the groups found."""
+
+    model: nn.Module
+    root: nn.Module
+    forward_loop: object
+    plan: AlgorithmPlan
+    amax_groups: tuple
+    progress: bool
+    undo: WeightUndo
+    names: dict[int, str]
+    tied_ids: set[int]  # parameters that more than one module holds (a tied lm_head and embedding)
+    device: torch.device
+    probe: tuple | None = None  # (args, kwargs) of the model's first call
+    methods: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    amaxes: dict[int, torch.Tensor | None] = dataclasses.field(default_factory=dict)
+    finished: set[int] = dataclasses.field(default_factory=set)  # layers of earlier groups: their weights are final
+    unsmoothed: list[str] = dataclasses.field(default_factory=list)
+    fell_back: list[str] = dataclasses.field(default_factory=list)
+
+    def tied(self, t: torch.Tensor) -> bool:
+        """Whether `t` (a weight, or a view of one) is a parameter another module holds too."""
+        return id(t._base if t._base is not None else t) in self.tied_ids
+
+
+def tied_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters held under more than one name (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
+
+
+def weight_of(unit: nn.Module) -> torch.Tensor:
+    """The (E, out, in) or (out, in) weight a unit's GEMM uses (a view of the parameter)."""
+    return unit.weight
+
+
+def input_module(unit: nn.Module) -> nn.Module:
+    """The module whose forward input is the unit's input (an experts GEMM: its experts module)."""
+    return unit.owner if isinstance(unit, ExpertGemmQuantizers) else unit
+
+
+def reads_module_input(unit: nn.Module) -> bool:
+    """Whether the unit computes on its module's input itself (an experts down GEMM does not)."""
+    if not isinstance(unit, ExpertGemmQuantizers):
+        return True
+    layout = unit.owner.tq_experts_layout
+    return unit.gemm in layout.gemms[: 2 if layout.style == "torchtitan" else 1]
+
+
+def per_expert(unit) -> list[tuple[int, torch.Tensor]]:
+    w = weight_of(unit)
+    return [(e, w[e]) for e in range(w.shape[0])] if w.dim() == 3 else [(0, w)]
