@@ -42,9 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from tqcompile.calibration.algorithms import AWQ
-from tqcompile.calibration.fake_quant import fake_quantize, static_amax_kind
-from tqcompile.kernels.reference import unit_amax
-from tqcompile.ops import amax as tensor_amax
+from tqcompile.calibration.fake_quant import fake_quantize, static_weight_amax
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
 __all__: list[str] = []  # used by tq.calibrate once it offers algorithm="awq"; nothing public yet
@@ -118,9 +116,7 @@ def _unit_view(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
 def _rtn(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """Round to nearest with the amaxes `max` calibration gives `w` (tensor-level, per unit, or
     none for MX, whose block scales come from the data)."""
-    kind = static_amax_kind(q, "weight")
-    amax = None if kind is None else tensor_amax(w, q) if kind == "tensor" else unit_amax(w, q)
-    return fake_quantize(w, q, amax=amax)
+    return fake_quantize(w, q, amax=static_weight_amax(w, q))
 
 
 def _output_error(d: torch.Tensor, h32: torch.Tensor) -> float:

@@ -39,7 +39,7 @@ from torch import nn
 from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
-from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer
+from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer, static_weight_amax
 from tqcompile.calibration.layer_stats import WeightUndo
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
@@ -61,7 +61,6 @@ from tqcompile.calibration.passes import CalibrationWarning
 from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
 from tqcompile.calibration.transforms import run_transforms
-from tqcompile.kernels.reference import unit_amax
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 
 __all__ = ["calibrate", "prepare", "ALGORITHMS", "CalibrationWarning"]
@@ -465,14 +464,8 @@ def _weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch
             if algorithm == "mse":
                 amax = torch.stack([_mse_weight(w[e], q, amax[e].reshape(())) for e in range(w.shape[0])]).reshape(-1, 1, 1)
             return amax
-        amax = unit_amax(w, q) if t.static_kind == "unit" else _tensor_amax(w, q)
+        amax = static_weight_amax(w, q)
         return _mse_weight(w, q, amax) if algorithm == "mse" else amax
-
-
-def _tensor_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    from tqcompile import ops
-
-    return ops.amax(w, q)
 
 
 def _unit_sum(err: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from tqcompile.api import quantize
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.quantizers import Granularity, MXQuantizer, Quantizer
 
-__all__ = ["fake_quantize", "fake_quantize_grouped", "TensorQuantizer", "static_amax_kind"]
+__all__ = ["fake_quantize", "fake_quantize_grouped", "TensorQuantizer", "static_amax_kind", "static_weight_amax"]
 
 
 def static_amax_kind(q: Quantizer | None, role: str) -> str | None:
@@ -46,6 +46,18 @@ def static_amax_kind(q: Quantizer | None, role: str) -> str | None:
     if q.uses_tensor_amax():
         return "tensor"
     return "unit" if role == "weight" else None
+
+
+def static_weight_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor | None:
+    """The static amax `max` calibration gives the weight `w` in the quantizer's layout: tensor-level
+    (NVFP4's global amax included), one per scaling unit, or None (MX: block scales from the data)."""
+    from tqcompile.kernels.reference import unit_amax
+    from tqcompile.ops import amax as tensor_amax
+
+    kind = static_amax_kind(q, "weight")
+    if kind is None:
+        return None
+    return tensor_amax(w, q) if kind == "tensor" else unit_amax(w, q)
 
 
 def _expand_amax(amax: torch.Tensor, shape: torch.Size, q: Quantizer) -> torch.Tensor:

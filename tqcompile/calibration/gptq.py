@@ -52,7 +52,7 @@ import warnings
 import torch
 
 from tqcompile.calibration.algorithms import GPTQ
-from tqcompile.calibration.fake_quant import fake_quantize, static_amax_kind
+from tqcompile.calibration.fake_quant import fake_quantize, static_weight_amax
 from tqcompile.formats import Format
 from tqcompile.kernels import reference
 from tqcompile.kernels.reference import e2m1_decode, e2m1_encode, nvfp4_tensor_scale, unit_amax
@@ -167,14 +167,6 @@ def _output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
     return float(torch.einsum("oi,ij,oj->", d, h, d))
 
 
-def _static_amax(w: torch.Tensor, quantizer: Quantizer) -> torch.Tensor | None:
-    """The `max`-calibrated static amax of `w` in the quantizer's layout (None: MX has none)."""
-    kind = static_amax_kind(quantizer, "weight")
-    if kind is None:
-        return None
-    return tensor_amax(w, quantizer) if kind == "tensor" else unit_amax(w, quantizer)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Result:
     q: torch.Tensor
@@ -218,7 +210,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f, device=w.device)
-    start_amax = held_amax if held_amax is not None else _static_amax(w, quantizer)
+    start_amax = held_amax if held_amax is not None else static_weight_amax(w, quantizer)
     blocked = (
         _BlockScaled(quantizer, w, perm, config.act_order, start_amax)
         if isinstance(quantizer, (MXQuantizer, NVFP4Quantizer))
@@ -294,5 +286,5 @@ def _requantize_moved_blocks(q: torch.Tensor, quantizer: Quantizer, amax: torch.
 def _rtn(weight: torch.Tensor, quantizer: Quantizer, dead: torch.Tensor, held_amax=None) -> _Result:
     """Round to nearest with `max` amaxes (what `tq.calibrate` gives; an NVFP4 amax held), dead inputs zeroed."""
     w = weight.detach().float() * (~dead).float()
-    amax = held_amax if held_amax is not None else _static_amax(w, quantizer)
+    amax = held_amax if held_amax is not None else static_weight_amax(w, quantizer)
     return _Result(fake_quantize(w, quantizer, amax=amax).to(weight.dtype), amax, "rtn", 0)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tqcompile.calibration.algorithms import AWQ, AlgorithmPlan
-from tqcompile.calibration.fake_quant import fake_quantize, static_amax_kind
+from tqcompile.calibration.fake_quant import fake_quantize, static_weight_amax
 from tqcompile.calibration.folds import FoldRecorder
 from tqcompile.calibration.gptq import gptq_quantize
 from tqcompile.calibration.layer_stats import (
@@ -43,9 +43,7 @@ from tqcompile.calibration.layer_stats import (
 from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules, kind_of, module_device
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.calibration.smoothing import smooth
-from tqcompile.kernels.reference import unit_amax
-from tqcompile.ops import amax as tensor_amax
-from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import NVFP4Quantizer, Quantizer
 
 __all__ = ["run_transforms", "sequential_groups"]
 
@@ -147,10 +145,6 @@ def _run_group(ctx: Context, members: list, desc: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # GPTQ
 # ------------------------------------------------------------------------------------------------
-def _rtn_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    return tensor_amax(w, q) if q.layout()[0] is Granularity.TENSORWISE or q.uses_tensor_amax() else unit_amax(w, q)
-
-
 def _fused_nvfp4_amax(ctx: Context, members: list) -> dict[int, torch.Tensor]:
     """{id(unit): amax} for NVFP4 Linear weights an engine fuses into one GEMM (q/k/v, gate/up: one
     global scale, see `FUSED_SIBLINGS`): the max of their tensor amaxes before any is rounded, so each
@@ -164,7 +158,7 @@ def _fused_nvfp4_amax(ctx: Context, members: list) -> dict[int, torch.Tensor]:
     held = {}
     for group in families.values():
         if len(group) > 1:
-            top = torch.stack([_rtn_amax(weight_of(u).detach().float(), u.weight_quantizer.quantizer) for u in group]).amax()
+            top = torch.stack([static_weight_amax(weight_of(u).detach().float(), u.weight_quantizer.quantizer) for u in group]).amax()
             held.update({id(u): top for u in group})
     return held
 
@@ -183,13 +177,13 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
         for e, w in per_expert(unit):
             label = f"{name} expert {e}" if weight_of(unit).dim() == 3 else name
             if st.n[e] == 0:
-                qw, amax, how = _round_to_nearest(w, q), (_rtn_amax(w.float(), q) if kind else None), "rtn"
+                qw, amax, how = _round_to_nearest(w, q), static_weight_amax(w.float(), q), "rtn"
                 ctx.fell_back.append(f"  {label}: received no tokens during calibration (its Hessian is empty)")
             else:
                 try:
                     qw, amax, how = gptq_quantize(w, st.hessian(e), q, ctx.plan.gptq, name=label, tensor_amax=held_amax)
                 except ValueError as err:
-                    qw, amax, how = _round_to_nearest(w, q), (_rtn_amax(w.float(), q) if kind else None), "rtn"
+                    qw, amax, how = _round_to_nearest(w, q), static_weight_amax(w.float(), q), "rtn"
                     ctx.fell_back.append(f"  {label}: {err}")
             ctx.undo.save(w)
             w.copy_(qw.to(w.dtype))
@@ -208,4 +202,4 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
 def _round_to_nearest(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """What `max` calibration would make of `w`."""
     wf = w.detach().float()
-    return fake_quantize(wf, q, amax=_rtn_amax(wf, q) if static_amax_kind(q, "weight") else None)
+    return fake_quantize(wf, q, amax=static_weight_amax(wf, q))
