@@ -12,7 +12,7 @@ tests/data/llmcompressor/make_fixtures.py):
 What it does:
 
 1. builds a Hugging Face `LlamaForCausalLM` from a config (byte-level vocabulary of 256, hidden 256,
-   intermediate 768, 4 layers, head_dim 64: every GEMM's input dim is a multiple of 128, so INT4
+   intermediate 768, 2 layers, head_dim 64: every GEMM's input dim is a multiple of 128, so INT4
    groups of 128 and 32 apply to all of them) and trains it on the bytes of Python's help texts
    (`pydoc_data.topics`, shipped with Python), the first 90% of them; the last 10% are held out for
    perplexity. The trained model and its byte-level tokenizer (built with `tokenizers`; llmcompressor's
@@ -181,12 +181,13 @@ def tq_config(scheme: str, group: int):
     return _config(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE))
 
 
-def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, queue) -> None:
+def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, threads: int, queue) -> None:
     """In a fresh process: calibrate the float model with tq and score it; a result dict on `queue`
     (never nothing: the parent waits on it)."""
     try:
         from transformers import AutoModelForCausalLM
 
+        torch.set_num_threads(threads)
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         data = torch.load(data_path)
@@ -215,7 +216,7 @@ def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, 
         queue.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
 
 
-def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, group: int, workdir: Path) -> dict:
+def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, group: int, workdir: Path, threads: int) -> dict:
     """llmcompressor's row in its own environment (llmc_ptq_worker.py); then its checkpoint read by tq."""
     out = workdir / f"llmc_{recipe}_g{group}"
     result_path = out.with_suffix(".json")
@@ -224,7 +225,7 @@ def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, g
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # llmcompressor's environment must not pick up this one's packages
     cmd = [llmc_python, str(HERE / "llmc_ptq_worker.py"), "--model", str(model_dir), "--data", str(data_path),
-           "--recipe", recipe, "--group", str(group), "--out", str(out), "--result", str(result_path)]
+           "--recipe", recipe, "--group", str(group), "--out", str(out), "--result", str(result_path), "--threads", str(threads)]
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     if not result_path.exists():
@@ -276,13 +277,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llmc-python", default=None, help="the python of a venv with llmcompressor 0.14 (none: tq columns only)")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tq_bench_ptq"), help="cache of the trained model and checkpoints")
-    p.add_argument("--steps", type=int, default=800, help="training steps (batch 8 x 256 tokens)")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=400, help="training steps (batch 8 x 256 tokens)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run (default: torch's)")
     p.add_argument("--calib", default="64x256", help="calibration rows x tokens")
     p.add_argument("--quick", action="store_true", help="smoke check: 2 layers, 150 steps, 16x128 calibration, 4 rows")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     begin = time.perf_counter()
+    torch.set_num_threads(args.threads)
 
     n_calib, seq = (int(v) for v in args.calib.split("x"))
     layers, steps = args.layers, args.steps
@@ -323,11 +326,11 @@ def main() -> None:
             if args.quick and (scheme, group, algorithm) not in QUICK:
                 continue
             print(f"== {title}: {label}", flush=True)
-            tq_r = in_fresh_process(_tq_run, str(model_dir), str(data_path), scheme, group, algorithm)
+            tq_r = in_fresh_process(_tq_run, str(model_dir), str(data_path), scheme, group, algorithm, args.threads)
             print(f"   tq   {tq_r}", flush=True)
             llmc_r = None
             if args.llmc_python:
-                llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, recipe, group, workdir)
+                llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, recipe, group, workdir, args.threads)
                 print(f"   llmc {llmc_r}", flush=True)
             rows.append({"label": label, "algorithm": algorithm, "llmc_recipe": recipe, "tq": tq_r, "llmc": llmc_r})
         if rows:
@@ -335,14 +338,14 @@ def main() -> None:
 
     print(f"\nModel: LlamaForCausalLM, {layers} layers, hidden 256, intermediate 768, byte vocabulary; held-out perplexity "
           f"(last 10% of pydoc_data.topics, {eval_rows.shape[0]} windows of {seq} bytes): float {float_ppl:.3f}, unigram "
-          f"baseline {unigram:.3f}. Calibration: the same {n_calib} windows of {seq} bytes for both tools.")
+          f"baseline {unigram:.3f}. Calibration: the same {n_calib} windows of {seq} bytes for both tools. torch threads: {args.threads}.")
     for t in results:
         print_table(t["title"], float_ppl, t["rows"])
     total = time.perf_counter() - begin
     print(f"\n{FOOTNOTE}\n\nWhole run: {total:.0f} s (training, cached, took {train_s:.0f} s when built).")
     if args.json:
         meta = {"layers": layers, "steps": steps, "calib": [n_calib, seq], "eval_tokens": eval_rows.numel(), "float_ppl": float_ppl,
-                "unigram_ppl": unigram, "train_seconds": train_s, "total_seconds": total, "torch": torch.__version__}
+                "unigram_ppl": unigram, "train_seconds": train_s, "threads": args.threads, "total_seconds": total, "torch": torch.__version__}
         Path(args.json).write_text(json.dumps({"meta": meta, "tables": results}, indent=1, default=str))
 
 

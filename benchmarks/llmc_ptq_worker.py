@@ -108,7 +108,9 @@ def main() -> None:
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--out", required=True)
     p.add_argument("--result", required=True)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     a = p.parse_args()
+    torch.set_num_threads(a.threads)
 
     import llmcompressor
     import transformers
