@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tqcompile.calibration import fake_quantize
-from tqcompile.calibration.gptq import GPTQ, gptq_quantize, hessian
-from tqcompile.formats import Format
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer
+from tqcompile.calibration.gptq import GPTQ, _gptq, _requantize_moved_blocks, gptq_quantize, hessian
+from tqcompile.formats import E2M1_VALUES, Format
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, ScaleRounding
 
 QUANTIZERS = {
     "int4_g32": IntQuantizer(Format.INT4, Granularity.BLOCKWISE_1D, block_size=32),
@@ -21,6 +21,10 @@ QUANTIZERS = {
     "int8_tensor": IntQuantizer(Format.INT8),
     "fp8_channel": Float8Quantizer(granularity=Granularity.ROWWISE),
     "fp8_g32": Float8Quantizer(granularity=Granularity.BLOCKWISE_1D, block_size=32),
+    "mxfp8": MXQuantizer(),
+    "mxfp8_rceil": MXQuantizer(scale_rounding=ScaleRounding.RCEIL),
+    "mxfp4": MXQuantizer(Format.E2M1),
+    "nvfp4": NVFP4Quantizer(),
 }
 
 
@@ -40,10 +44,15 @@ def test_gptq_never_worse_than_round_to_nearest(seed, name, act_order, block_siz
     x = _correlated(seed)
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(seed + 1))
     q = QUANTIZERS[name]
-    out, amax, how = gptq_quantize(w, hessian(x), q, GPTQ(block_size=block_size, act_order=act_order))
+    r = _gptq(w, hessian(x), q, GPTQ(block_size=block_size, act_order=act_order), "w")
     rtn = fake_quantize(w, q)  # round to nearest with each unit's own max: `max` calibration
-    assert _err(w, out, x) <= _err(w, rtn, x) * (1 + 1e-6)
-    assert torch.equal(fake_quantize(out, q, amax=amax), out)  # the calibrated model computes with exactly this
+    assert _err(w, r.q, x) <= _err(w, rtn, x) * (1 + 1e-6)
+    assert torch.equal(fake_quantize(r.q, q, amax=r.amax), r.q)  # the calibrated model computes with exactly this
+    if isinstance(q, MXQuantizer):
+        assert r.amax is None  # every MX scale comes from Q's own blocks
+    if isinstance(q, NVFP4Quantizer):
+        assert torch.equal(r.amax, w.abs().amax())  # the tensor scale s_enc stays the starting weight's
+        assert r.requantized_blocks == 0  # every block got its ±6 while being rounded
 
 
 def test_gptq_beats_round_to_nearest_on_correlated_inputs():
@@ -52,6 +61,17 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs():
         out, _, how = gptq_quantize(w, hessian(x), q)
         rtn = fake_quantize(w, q)
         assert how == "gptq" and _err(w, out, x) < 0.8 * _err(w, rtn, x), name
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+def test_bfloat16_weight_reproduces_itself(name):
+    """A bf16 model stores Q in bf16, where NVFP4's products ``code * (s_blk / s_enc)`` round once
+    more; they still requantize to themselves (a relative change of 2**-9 moves no scale or code)."""
+    x, w = _correlated(5), torch.randn(32, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    q = QUANTIZERS[name]
+    out, amax, how = gptq_quantize(w, hessian(x), q)
+    assert how == "gptq" and out.dtype == torch.bfloat16
+    assert torch.equal(fake_quantize(out, q, amax=amax), out)
 
 
 def test_dead_inputs_and_singular_hessian():
@@ -66,9 +86,60 @@ def test_dead_inputs_and_singular_hessian():
     assert how == "rtn"
 
 
+def _grid(fmt: Format) -> torch.Tensor:
+    """The finite non-negative values of an element format."""
+    if fmt is Format.E2M1:
+        return torch.tensor(E2M1_VALUES)
+    vals = torch.arange(128, dtype=torch.uint8).view(fmt.torch_dtype).float()
+    return vals[torch.isfinite(vals)]
+
+
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.E5M2, Format.E2M1])
+@pytest.mark.parametrize("rounding", list(ScaleRounding))
+def test_mx_block_whose_max_shrank_stays_on_grid(fmt, rounding):
+    """GPTQ rounds an MX block with the exponent e of its starting max; if its updates leave a
+    smaller max, tq requantizes with an exponent e' <= e, and each code times 2**(e - e') is again
+    a code, except past the element max: only E4M3 under FLOOR (block max in [256, 512), E4M3 stops
+    at 448), for a largest code of mantissa 1.875 (240, 120, ...)."""
+    q = MXQuantizer(fmt, scale_rounding=rounding)
+    grid, e = _grid(fmt), 2.0**-3  # the exponent GPTQ chose for the block
+    g = torch.Generator().manual_seed(0)
+    for top in grid[grid > 0]:
+        below = grid[grid <= top]
+        codes = below[torch.randint(len(below), (31,), generator=g)]
+        signs = torch.where(torch.rand(32, generator=g) < 0.5, -1.0, 1.0)
+        block = (torch.cat((top.reshape(1), codes)) * signs * e).reshape(1, 32)
+        mantissa = float(top) / 2.0 ** torch.floor(torch.log2(top))
+        overflows = fmt is Format.E4M3 and rounding is ScaleRounding.FLOOR and mantissa == 1.875
+        assert torch.equal(fake_quantize(block, q), block) != overflows, float(top)
+
+
+def test_blocks_that_do_not_reproduce_are_requantized():
+    q = MXQuantizer()  # E4M3, FLOOR: a block whose largest code is 240 moves (see the test above)
+    block = torch.cat((torch.tensor([240.0, -104.0]), torch.zeros(30))).reshape(1, 32) * 2.0**-4
+    kept = torch.linspace(-1, 1, 32).reshape(1, 32)
+    kept = fake_quantize(kept, q)
+    out, moved = _requantize_moved_blocks(torch.cat((block, kept), 1), q, None)
+    assert moved == 1
+    assert torch.equal(out[:, 32:], kept) and out[0, 0] == 224 * 2.0**-4 and torch.equal(out[:, 1:32], block[:, 1:])
+    assert torch.equal(fake_quantize(out, q), out)
+
+
+@pytest.mark.parametrize(
+    "q, bad",
+    [
+        (NVFP4Quantizer(hadamard=True), "hadamard=True"),
+        (NVFP4Quantizer(block_2d=True), "block_2d=True"),
+        (NVFP4Quantizer(stochastic_rounding=True), "stochastic_rounding=True"),
+        (Float8Quantizer(Format.E5M2, granularity=Granularity.ROWWISE), "E5M2"),
+    ],
+)
+def test_unsupported_quantizers_are_refused(q, bad):
+    with pytest.raises(ValueError, match=rf"{type(q).__name__}\(.*{bad}.*allowed: "):
+        gptq_quantize(torch.randn(16, 64), torch.eye(64), q)
+
+
 def test_bad_input():
-    with pytest.raises(ValueError, match=r"MXQuantizer.*not supported yet"):
-        gptq_quantize(torch.randn(4, 64), torch.eye(64), MXQuantizer())
     with pytest.raises(ValueError, match="block_size=0 is not allowed"):
         GPTQ(block_size=0)
     with pytest.raises(ValueError, match="dampening=1 is not allowed"):

@@ -4,7 +4,7 @@ import torch as _torch
 
 from tqcompile import calibration, configs, distributed, nn, optim, recipes  # noqa: E402  (these import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
-from tqcompile.calibration import calibrate, quant_state, restore, summary
+from tqcompile.calibration import AWQ, GPTQ, SmoothQuant, calibrate, quant_state, restore, summary
 from tqcompile.conversion import convert
 from tqcompile.export import export, load_exported
 from tqcompile.formats import Format
@@ -43,6 +43,9 @@ __all__ = [
     "calibration",
     "configs",
     "calibrate",
+    "GPTQ",
+    "AWQ",
+    "SmoothQuant",
     "summary",
     "quant_state",
     "restore",

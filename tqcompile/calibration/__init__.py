@@ -6,6 +6,7 @@ and rebuild that state. Fake quantization is ``tq.quantize(x, q, amax=...).dequa
 same quantizers, ops and kernels as training. See docs/ptq.md and docs/qat.md.
 """
 
+from tqcompile.calibration.algorithms import AWQ, GPTQ, SmoothQuant
 from tqcompile.calibration.calibrate import ALGORITHMS, CalibrationWarning, calibrate, prepare
 from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule
 from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize, fake_quantize_grouped
@@ -16,6 +17,9 @@ __all__ = [
     "calibrate",
     "prepare",
     "ALGORITHMS",
+    "GPTQ",
+    "AWQ",
+    "SmoothQuant",
     "CalibrationWarning",
     "QuantConfig",
     "QuantRule",

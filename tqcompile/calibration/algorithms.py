@@ -117,7 +117,9 @@ class SmoothQuant:
 
 Algorithm = GPTQ | AWQ | SmoothQuant
 _BY_NAME = {"gptq": GPTQ, "awq": AWQ, "smoothquant": SmoothQuant}
-_ALLOWED = "'max', 'percentile', 'mse', 'gptq', 'awq', 'smoothquant', a tq.GPTQ / tq.AWQ / tq.SmoothQuant, or an ordered tuple of them"
+_ALLOWED = (
+    "'max', 'percentile', 'mse', 'gptq', 'awq', 'smoothquant', a tq.GPTQ / tq.AWQ / tq.SmoothQuant, or an ordered tuple of them"
+)
 
 
 @dataclasses.dataclass(frozen=True)

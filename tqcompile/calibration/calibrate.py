@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tqcompile.api import quantize
+from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer
 from tqcompile.calibration.modules import (
@@ -53,19 +54,18 @@ from tqcompile.calibration.modules import (
     unsupported_reason,
     weight_view,
 )
+from tqcompile.calibration.passes import CalibrationWarning
+from tqcompile.calibration.passes import reduce_stats as _reduce
+from tqcompile.calibration.passes import run_loop as _run
+from tqcompile.calibration.transforms import WeightUndo, run_transforms
 from tqcompile.kernels.reference import unit_amax
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 
 __all__ = ["calibrate", "prepare", "ALGORITHMS", "CalibrationWarning"]
 
-ALGORITHMS = ("max", "percentile", "mse")
+ALGORITHMS = (*SCALE_SEARCH, "gptq", "awq", "smoothquant")
 _MSE_CANDIDATES = 128
 _WEIGHT_MSE_RATIOS = 40  # clipping ratios 0.5 ... 1.0 tried per weight unit
-
-
-class CalibrationWarning(UserWarning):
-    """Something calibration did that a user should know: an unmatched rule, a skipped module,
-    an expert that received no tokens."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +176,14 @@ def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
         )
     if not callable(forward_loop):
         raise TypeError(f"tq.calibrate: forward_loop must be a callable taking the model, got {type(forward_loop).__name__}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"tq.calibrate: algorithm={algorithm!r} is not allowed; allowed: {', '.join(map(repr, ALGORITHMS))}")
+    algo = parse_algorithm(algorithm)
     if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
         raise ValueError(f"tq.calibrate: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
     groups = tuple(amax_groups or ())
     for g in groups:
         if not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"tq.calibrate: amax_groups must hold torch.distributed ProcessGroups, got {type(g).__name__}")
-    return groups
+    return groups, algo
 
 
 def calibrate(
@@ -192,10 +191,11 @@ def calibrate(
     config: QuantConfig,
     forward_loop: Callable[[nn.Module], object],
     *,
-    algorithm: str = "max",
+    algorithm: str | Algorithm | Sequence[str | Algorithm] = "max",
     percentile: float = 99.99,
     amax_groups: Sequence[dist.ProcessGroup] = (),
     progress: bool = True,
+    sequential: bool = True,
 ) -> nn.Module:
     """Convert `model` in place to fake-quantized modules and calibrate their static amaxes.
 
@@ -210,12 +210,21 @@ def calibrate(
         config: a `QuantConfig`, e.g. `tq.configs.int8()`.
         forward_loop: ``forward_loop(model)`` runs the calibration data through the model.
             It runs once, or twice for "percentile" and "mse" (a second pass fills histograms).
-        algorithm: "max", "percentile" or "mse" (see the module docstring).
+        algorithm: a scale search, "max", "percentile" or "mse" (see the module docstring); a weight
+            transform, "gptq", "awq", "smoothquant" or a `tq.GPTQ` / `tq.AWQ` / `tq.SmoothQuant`
+            with its knobs (`tqcompile.calibration.transforms`, docs/ptq.md); or an ordered tuple
+            of them, e.g. ``("smoothquant", "gptq")`` (smoothing first, at most one scale search).
+            Weight transforms run on Linear layers and MoE experts; `tq.summary` shows what each
+            layer got.
         percentile: for "percentile", in (50, 100].
         amax_groups: process groups (data parallel, tensor parallel) over which every static amax
             (and histogram) is reduced, once at the end of each pass, so all ranks get the same
             scales: the ones a single process would get from the union of their data.
         progress: show a progress bar (tqdm) counting the model's forward calls.
+        sequential: with a weight transform, run `forward_loop` once per decoder layer (each element
+            of a ``ModuleList``), keeping only that layer's statistics, each layer calibrated on the
+            outputs of the layers before it as transformed; False: one pass for the whole model
+            (faster, more memory: every layer's Hessian at once).
 
     Returns:
         `model`, fake-quantized: it now computes ``dequantize(quantize(x))`` at every enabled
@@ -224,39 +233,49 @@ def calibrate(
     Example:
         >>> tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in batches])
     """
-    groups = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
+    groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
+    if not isinstance(sequential, bool):
+        raise ValueError(f"tq.calibrate: sequential={sequential!r} is not allowed; allowed: True or False")
     planned = plan(model, config)
     _warn_training(model)
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    undo = WeightUndo()
     buffers = list(model.buffers())
     try:
         for p in planned:
             convert_module(p.module, p.name, p.quantizers, config.ste)
         tqs = _quantizers(planned)
+        for t in tqs:
+            t.calibrating = True
+        methods, fixed = {}, {}
+        if algo.transforms:
+            # First, while the quantizers only record shapes: the activation amaxes below must see the final weights.
+            methods, fixed = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo)
         for p in planned:
             for t in p.module.quantizers().values():
-                t.calibrating = True
                 if t.role != "weight" and t.static_kind == "tensor":
                     # Every rank holds every statistic, seen or not (-1: no data yet), so the
                     # reductions line up across ranks whatever data each one got.
                     t.stat_max = torch.full((t.num_experts,) if t.num_experts else (), -1.0, device=module_device(p.module))
+        search = algo.scale_search
         _run(
             model,
             forward_loop,
             [p.module for p in planned],
-            "calibrating" if algorithm == "max" else "calibrating (1/2: max)",
+            "calibrating" if search == "max" else "calibrating (1/2: max)",
             progress,
         )
         _reduce([t.stat_max for t in tqs if t.stat_max is not None], groups)
-        if algorithm != "max":
+        if search != "max":
             hist_tqs = [t for t in tqs if _uses_histogram(t)]
             for t in hist_tqs:
                 t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
                 t.hist = torch.zeros(HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
             _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
             _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
-        _finalize(planned, algorithm, percentile, groups)
+        _finalize(planned, search, percentile, groups, methods, fixed)
     except BaseException:
+        undo.restore()
         for p in planned:
             unconvert_module(p.module)
         with torch.no_grad():
@@ -264,7 +283,7 @@ def calibrate(
                 if id(b) in saved_buffers:
                     b.copy_(saved_buffers[id(b)])
         raise
-    set_record(model, [p.module for p in planned], CalibrationRecord(config, algorithm, float(percentile)))
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, algo.describe(), float(percentile)))
     return model
 
 
@@ -339,51 +358,10 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     )
 
 
-def _run(model, forward_loop, modules: list[nn.Module], desc: str, progress: bool) -> None:
-    from tqdm.auto import tqdm
-
-    bar = tqdm(desc=desc, unit=" batch", disable=not progress)
-    calls = [0, 0]  # forward calls of the model, and of any converted module (a loop may call submodules)
-
-    def count_model(*_):
-        calls[0] += 1
-        bar.update(1)
-
-    def count_module(*_):
-        calls[1] += 1
-
-    # On the module inside any DDP / compile wrapper: calling the wrapper calls it too.
-    handles = [next(m for _, m in canonical_modules(model)).register_forward_pre_hook(count_model)]
-    handles += [m.register_forward_pre_hook(count_module) for m in modules]
-    try:
-        with torch.no_grad():
-            forward_loop(model)
-    finally:
-        for h in handles:
-            h.remove()
-        bar.close()
-    if calls == [0, 0]:
-        raise RuntimeError(
-            "tq.calibrate: forward_loop never called the model; it must run calibration data through it, e.g. lambda m: [m(x) for x in batches]"
-        )
-
-
-def _reduce(tensors: list[torch.Tensor], groups, op=dist.ReduceOp.MAX) -> None:
-    """Reduce every tensor in place over each group: one flat collective per group and dtype."""
-    if not groups or not tensors:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        for g in groups:
-            dist.all_reduce(flat, op=op, group=g)
-        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-            t.copy_(part.view_as(t))
-
-
-def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups) -> None:
+def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
+    """Turn statistics into amaxes. `fixed`: {id(unit): weight amax} a transform (GPTQ) chose, which
+    the weight it rounded needs as it is; `methods`: {id(unit): how its weight was rounded}."""
+    methods, fixed = methods or {}, fixed or {}
     weight_amaxes, unfit, beyond = [], [], []
     for p in planned:
         m = p.module
@@ -396,10 +374,12 @@ def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups
                 t.quantizer = None
             if t.quantizer is not None and t.static_kind is not None:
                 if slot == "weight":
-                    t.set_amax(_weight_amax(m, t, algorithm))
+                    t.set_amax(fixed[id(m)] if id(m) in fixed else _weight_amax(m, t, algorithm))
                     weight_amaxes.append(t.amax)
                 else:
                     t.set_amax(_activation_amax(p.name, t, algorithm, percentile))
+            if slot == "weight" and t.quantizer is not None:
+                t.method = methods.get(id(m), algorithm)
             t._reset_stats()
     if unfit:
         warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(unfit), CalibrationWarning, stacklevel=3)

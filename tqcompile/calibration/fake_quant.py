@@ -156,6 +156,11 @@ class TensorQuantizer(nn.Module):
         self.num_experts = num_experts
         self.ste = ste
         self.calibrating = False
+        # While calibrating: a callable ``observer(x, ends)`` that sees every input before it is
+        # recorded (the weight transforms collect Hessians and channel statistics with it).
+        self.observer = None
+        # How the weight was rounded ("max", "gptq", "awq+max", ...): shown by tq.summary, kept by tq.quant_state.
+        self.method: str | None = None
         self.register_buffer("amax", None, persistent=False)
         self._reset_stats()
 
@@ -201,6 +206,8 @@ class TensorQuantizer(nn.Module):
         sorted by expert and `ends` holds the cumulative per-expert token counts; each expert's
         tokens get that expert's amax.
         """
+        if self.observer is not None:
+            self.observer(x, ends)
         q = self.quantizer
         if q is None:
             return x
@@ -235,8 +242,8 @@ class TensorQuantizer(nn.Module):
                 self.quantizer.check_shape(x.shape)
             except ValueError as e:
                 self.unfit = f"its {tuple(x.shape)} {self.role} does not fit: {e}"  # calibrate disables it and says so
-        if self.static_kind is None:
-            return  # dynamic scales need no statistics
+        if self.static_kind is None or self.stat_max is None:
+            return  # dynamic scales need no statistics; none are allocated while weight transforms run
         if x.numel() == 0:
             return
         with torch.no_grad():

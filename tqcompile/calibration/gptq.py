@@ -8,15 +8,35 @@ rounded by tq's own numerics, so the result is a weight the calibrated model com
 - the scale of each scaling unit is fixed before its first column is quantized (per tensor and
   per row: from the whole weight; 1-D blocks along the input dim: from the block's columns as the
   earlier columns' errors have updated them; lazy-update blocks are whole scale blocks);
-- a column is rounded with a ROWWISE copy of the quantizer and that unit's amax, the same element
-  arithmetic (``x * (qmax / amax)``, rounded, clamped, times the reciprocal) as the quantizer's own
-  granularity;
+- a column is rounded with that unit's scale in the quantizer's own element arithmetic (Int / FP8:
+  a ROWWISE copy of the quantizer with the unit's amax, ``x * (qmax / amax)``, rounded, clamped,
+  times the reciprocal; MX: ``x / 2**e`` cast to the element format, times ``2**e``; NVFP4:
+  ``e2m1(x * s_enc / s_blk) * (s_blk / s_enc)``);
 - the function returns the rounded weight ``Q`` and the amaxes in the quantizer's static layout, so
   that ``fake_quantize(Q, quantizer, amax) == Q`` bit for bit.
 
-Supported: `IntQuantizer` and E4M3 `Float8Quantizer`, TENSORWISE / ROWWISE (axis -1) / BLOCKWISE_1D.
-MX and NVFP4 weights compute their block scales from the data they quantize, which GPTQ's updates
-change after the scale is chosen; they are left for the next step.
+MX and NVFP4 have no per-block static amax: tq recomputes each block's scale from ``Q``'s own block
+max, which GPTQ's updates move after the scale was chosen. What that does:
+
+- MX (E8M0 scale ``2**e``): ``Q``'s block max is at most the top code times ``2**e``, which gives
+  back ``e``; a smaller max can only lower the exponent, to ``e' < e``, and each code times
+  ``2**(e - e')`` is again a code (a power of two keeps the mantissa bits) unless it passes the
+  element maximum. That happens only for E4M3 under the FLOOR rule, whose exponent puts the block
+  max in [256, 512) while E4M3 stops at 448: a block whose largest code drops to 1.875 * 2**k (240,
+  120, ...) would requantize it to 1.75 * 2**k. Such blocks (rare) are requantized, see below.
+- NVFP4 (E4M3 block scale under the tensor scale ``s_enc``, which stays fixed: the returned amax is
+  the starting weight's tensor amax): ``Q``'s block reproduces its scale only if its largest code is
+  ±6. GPTQ's updates can pull the element that set the scale below 5 (code 4; measured on
+  correlated inputs: about 1 block in 500, up to 1 in 60 with `act_order`). So while a block is rounded,
+  a row whose block has no ±6 yet gets ±6 at the first column whose current magnitude is the
+  largest of the block's columns still to come; its larger rounding error is then spread over the
+  later columns like any other. Every block thus holds a ±6 without a second pass.
+- With `act_order` (static groups) every block's scale comes from the starting weight, and a
+  block's columns are visited out of order; the same two arguments hold.
+
+A final check requantizes every block that would not reproduce itself; an MX block rounded to
+nearest keeps its exponent, so it reproduces itself and the invariant holds for every output. (It
+never fires for NVFP4: a block with a zero scale is all zero, every other one holds a ±6.)
 
 A weight whose GPTQ result has a larger output error on the calibration inputs than round to
 nearest (GPTQ is greedy: rare, on near-singular inputs) keeps the round-to-nearest result, so GPTQ
@@ -31,13 +51,19 @@ import warnings
 import torch
 
 from tqcompile.calibration.algorithms import GPTQ
-from tqcompile.calibration.fake_quant import fake_quantize
+from tqcompile.calibration.fake_quant import fake_quantize, static_amax_kind
 from tqcompile.formats import Format
-from tqcompile.kernels.reference import unit_amax
+from tqcompile.kernels import reference
+from tqcompile.kernels.reference import e2m1_decode, e2m1_encode, nvfp4_tensor_scale, unit_amax
 from tqcompile.ops import amax as tensor_amax
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, Quantizer
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
 __all__: list[str] = []  # used by tq.calibrate once it offers algorithm="gptq"; nothing public yet
+
+_ALLOWED = (
+    "IntQuantizer or Float8Quantizer(E4M3) (TENSORWISE, ROWWISE along the input dim, or BLOCKWISE_1D), "
+    "MXQuantizer, or NVFP4Quantizer with 1-D blocks, no Hadamard transform and round to nearest"
+)
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
@@ -47,14 +73,67 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q: Quantizer) -> Granularity:
-    ok = isinstance(q, IntQuantizer) or (isinstance(q, Float8Quantizer) and q.format is Format.E4M3)
     gran, axis, _ = q.layout()
+    if isinstance(q, NVFP4Quantizer):
+        # 16x16 tiles span rows GPTQ rounds independently; a Hadamard weight is rounded in the rotated
+        # basis, where this Hessian does not apply; stochastic rounding would not reproduce Q.
+        bad = [f"{f}=True" for f in ("block_2d", "hadamard", "stochastic_rounding") if getattr(q, f)]
+        if bad:
+            raise ValueError(f"GPTQ: weight quantizer {q!r} is not supported ({', '.join(bad)}); allowed: {_ALLOWED}")
+        return gran
+    if isinstance(q, MXQuantizer):
+        return gran
+    ok = isinstance(q, IntQuantizer) or (isinstance(q, Float8Quantizer) and q.format is Format.E4M3)
     if not ok or gran is Granularity.BLOCKWISE_2D or (gran is Granularity.ROWWISE and axis not in (-1, 1)):
-        raise ValueError(
-            f"GPTQ: weight quantizer {q!r} is not supported yet; allowed: IntQuantizer or Float8Quantizer(E4M3), "
-            "TENSORWISE, ROWWISE along the input dim, or BLOCKWISE_1D"
-        )
+        raise ValueError(f"GPTQ: weight quantizer {q!r} is not supported; allowed: {_ALLOWED}")
     return gran
+
+
+class _BlockScaled:
+    """GPTQ's column rounding for MX / NVFP4: each block's scale held fixed while its columns are
+    rounded, in the element arithmetic of `reference.quantize` / `reference.dequantize`."""
+
+    def __init__(self, q: MXQuantizer | NVFP4Quantizer, w: torch.Tensor, perm: torch.Tensor, act_order: bool):
+        self.q, self.block, self.act_order = q, q.layout()[2], act_order
+        self.amax = _static_amax(w, q)  # NVFP4: the starting weight's tensor amax, so s_enc stays; MX: None
+        self.s_enc = nvfp4_tensor_scale(self.amax, q) if isinstance(q, NVFP4Quantizer) else None
+        self.top = q.element_format().max_value
+        # act_order visits columns out of order: static groups, every block's scale from the starting weight.
+        blocks = w.split(self.block, dim=1)
+        self.scales = torch.cat([self._scale(c) for c in blocks], 1) if act_order else w.new_zeros(w.shape[0], len(blocks))
+        # Where each block's columns come in the visiting order (`perm`), and which rows' blocks hold a ±6 (NVFP4 pins one).
+        self.visits = torch.argsort(perm).reshape(len(blocks), self.block).sort(dim=1).values
+        self.topped = torch.zeros(w.shape[0], len(blocks), dtype=torch.bool)
+
+    def _scale(self, cols: torch.Tensor) -> torch.Tensor:
+        """(out, 1) fp32 scale tq picks for the block `cols` (out, block): MX ``2**e``, NVFP4 ``s_blk``."""
+        return reference.quantize(cols, self.q, self.amax, None)[1].float()
+
+    def round_column(self, w: torch.Tensor, w1: torch.Tensor, i1: int, i: int, j: int) -> torch.Tensor:
+        """Column `i` of the lazy batch ``w1 = w[:, i1:i2]`` (visited columns of the weight `w`, in
+        visiting order), which is weight column `j`, rounded: (out, 1)."""
+        b = j // self.block
+        if not self.act_order and j % self.block == 0:
+            # The block's scale from its columns as the earlier errors left them (they are in order).
+            self.scales[:, b] = self._scale(w1[:, i : i + self.block]).reshape(-1)
+        col, scale = w1[:, i : i + 1], self.scales[:, b : b + 1]
+        if self.s_enc is None:
+            v = col / scale
+            if self.q.format is Format.E2M1:
+                return e2m1_decode(e2m1_encode(v)) * scale
+            return v.clamp(-self.top, self.top).to(self.q.format.torch_dtype).float() * scale
+        v = torch.where(scale == 0, torch.zeros_like(col), col * self.s_enc / scale)
+        codes = e2m1_decode(e2m1_encode(v))
+        # A row without a ±6 yet takes one at the largest of the block's columns still to come (their
+        # current values: in this lazy batch, or in `w`, which lacks only this batch's pending update).
+        rest = self.visits[b][self.visits[b] > i1 + i]
+        i2 = i1 + w1.shape[1]
+        rest = torch.cat((w1[:, rest[rest < i2] - i1], w[:, rest[rest >= i2]]), 1).abs()
+        largest = col.abs() >= rest.amax(1, keepdim=True) if rest.shape[1] else torch.ones_like(col, dtype=torch.bool)
+        pin = ~self.topped[:, b : b + 1] & largest & (scale > 0)
+        codes = torch.where(pin, torch.copysign(torch.full_like(v, self.top), v), codes)
+        self.topped[:, b : b + 1] |= codes.abs() == self.top
+        return codes * (scale / self.s_enc)
 
 
 def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor | None:
@@ -77,16 +156,37 @@ def _output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
     return float(torch.einsum("oi,ij,oj->", d, h, d))
 
 
+def _static_amax(w: torch.Tensor, quantizer: Quantizer) -> torch.Tensor | None:
+    """The `max`-calibrated static amax of `w` in the quantizer's layout (None: MX has none)."""
+    kind = static_amax_kind(quantizer, "weight")
+    if kind is None:
+        return None
+    return tensor_amax(w, quantizer) if kind == "tensor" else unit_amax(w, quantizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    q: torch.Tensor
+    amax: torch.Tensor | None
+    how: str
+    requantized_blocks: int  # MX / NVFP4 blocks the final check requantized (0 for the other formats)
+
+
 def gptq_quantize(
     weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ | None = None, *, name: str = "weight"
-) -> tuple[torch.Tensor, torch.Tensor, str]:
+) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """GPTQ-round `weight` (out, in) for inputs with Hessian `h` (in, in).
 
     Returns (Q, amax, how): Q the rounded weight (weight's dtype) with ``fake_quantize(Q, quantizer,
-    amax) == Q``; amax in the quantizer's static layout (0-dim, (out, 1) or (out, in / block));
+    amax) == Q``; amax in the quantizer's static layout (0-dim, (out, 1) or (out, in / block); the
+    starting weight's tensor amax for NVFP4; None for MX, whose scales all come from Q's blocks);
     `how` "gptq", or "rtn" where GPTQ was not better or the Hessian stayed singular (warned).
     """
-    config = config or GPTQ()
+    r = _gptq(weight, h, quantizer, config or GPTQ(), name)
+    return r.q, r.amax, r.how
+
+
+def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ, name: str) -> _Result:
     gran = _check(quantizer)
     quantizer.check_shape(weight.shape)
     w = weight.detach().float().clone()
@@ -95,9 +195,13 @@ def gptq_quantize(
     dead = h.diagonal() == 0  # inputs always zero: any weight there is free; make them zero
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    rows = dataclasses.replace(quantizer, granularity=Granularity.ROWWISE, axis=-1)
+    perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f)
+    blocked = _BlockScaled(quantizer, w, perm, config.act_order) if isinstance(quantizer, (MXQuantizer, NVFP4Quantizer)) else None
+    rows = None if blocked is not None else dataclasses.replace(quantizer, granularity=Granularity.ROWWISE, axis=-1)
     block = quantizer.layout()[2]
-    if gran is Granularity.TENSORWISE:
+    if blocked is not None:
+        amax = blocked.amax
+    elif gran is Granularity.TENSORWISE:
         amax = tensor_amax(w, quantizer)
     elif gran is Granularity.ROWWISE:
         amax = unit_amax(w, quantizer)
@@ -109,11 +213,12 @@ def gptq_quantize(
             return amax.reshape(1, 1).expand(out_f, 1)
         return amax if gran is Granularity.ROWWISE else amax[:, j // block : j // block + 1]
 
-    perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f)
     w, hp = w[:, perm], h[perm][:, perm]
     hinv = _inverse_cholesky(hp, config.dampening)
     if hinv is None:
-        warnings.warn(f"GPTQ: the Hessian of {name!r} stays singular after dampening x100; it is rounded to nearest instead", stacklevel=2)
+        warnings.warn(
+            f"GPTQ: the Hessian of {name!r} stays singular after dampening x100; it is rounded to nearest instead", stacklevel=3
+        )
         return _rtn(weight, quantizer, dead)
     qw = torch.zeros_like(w)
     # Lazy blocks hold whole 1-D scale blocks, so a block's columns are all up to date when its scale is chosen.
@@ -124,12 +229,15 @@ def gptq_quantize(
         h1 = hinv[i1:i2, i1:i2].float()
         for i in range(i2 - i1):
             j = int(perm[i1 + i])
-            if gran is Granularity.BLOCKWISE_1D and not config.act_order and j % block == 0:
-                # The block's scale from its columns as the earlier errors left them (they are in order).
-                amax[:, j // block] = unit_amax(w1[:, i : i + block], rows).reshape(-1)
             col = w1[:, i : i + 1]
-            # Two copies of the column: 4-bit payloads pack pairs (the element arithmetic is per element).
-            qc = fake_quantize(col.expand(-1, 2).contiguous(), rows, amax=col_amax(j))[:, :1]
+            if blocked is not None:
+                qc = blocked.round_column(w, w1, i1, i, j)
+            else:
+                if gran is Granularity.BLOCKWISE_1D and not config.act_order and j % block == 0:
+                    # The block's scale from its columns as the earlier errors left them (they are in order).
+                    amax[:, j // block] = unit_amax(w1[:, i : i + block], rows).reshape(-1)
+                # Two copies of the column: 4-bit payloads pack pairs (the element arithmetic is per element).
+                qc = fake_quantize(col.expand(-1, 2).contiguous(), rows, amax=col_amax(j))[:, :1]
             qw[:, i1 + i] = qc[:, 0]
             e = (col[:, 0] - qc[:, 0]) / h1[i, i]
             w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
@@ -137,16 +245,26 @@ def gptq_quantize(
         w[:, i2:] -= err @ hinv[i1:i2, i2:].float()
     q = torch.empty_like(qw)
     q[:, perm] = qw
-    amax_out = amax.reshape(()) if gran is Granularity.TENSORWISE else amax
-    rtn, rtn_amax, _ = _rtn(weight, quantizer, dead)
-    if _output_error(weight.float(), q, h) > _output_error(weight.float(), rtn, h):
-        return rtn, rtn_amax, "rtn"
-    return q.to(weight.dtype), amax_out, "gptq"
+    moved = 0
+    if blocked is not None:
+        q, moved = _requantize_moved_blocks(q, quantizer, amax)
+    rtn = _rtn(weight, quantizer, dead)
+    if _output_error(weight.float(), q, h) > _output_error(weight.float(), rtn.q, h):
+        return dataclasses.replace(rtn, requantized_blocks=moved)
+    return _Result(q.to(weight.dtype), amax.reshape(()) if gran is Granularity.TENSORWISE else amax, "gptq", moved)
 
 
-def _rtn(weight: torch.Tensor, quantizer: Quantizer, dead: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+def _requantize_moved_blocks(q: torch.Tensor, quantizer: Quantizer, amax: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Replace each block of `q` whose scale tq would recompute differently by its requantization
+    (a block rounded to nearest reproduces itself); returns the result and how many blocks moved."""
+    block = quantizer.layout()[2]
+    fq = fake_quantize(q, quantizer, amax)
+    moved = (fq != q).unflatten(-1, (-1, block)).any(-1)
+    return torch.where(moved.repeat_interleave(block, -1), fq, q), int(moved.sum())
+
+
+def _rtn(weight: torch.Tensor, quantizer: Quantizer, dead: torch.Tensor) -> _Result:
     """Round to nearest with `max` amaxes (what `tq.calibrate` gives), dead inputs zeroed."""
     w = weight.detach().float() * (~dead).float()
-    gran = quantizer.layout()[0]
-    amax = tensor_amax(w, quantizer) if gran is Granularity.TENSORWISE else unit_amax(w, quantizer)
-    return fake_quantize(w, quantizer, amax=amax).to(weight.dtype), amax, "rtn"
+    amax = _static_amax(w, quantizer)
+    return _Result(fake_quantize(w, quantizer, amax=amax).to(weight.dtype), amax, "rtn", 0)

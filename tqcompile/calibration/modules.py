@@ -347,7 +347,13 @@ def _fake_quant_class(base: type, mixin: type) -> type:
     key = (mixin, base)
     if key not in _CLASS_CACHE:
         kind = next((k for cls, k, m, _ in _KINDS if m is mixin and issubclass(base, cls)), None)
-        attrs = {"__module__": base.__module__, "tq_kind": kind, "tq_base": base, "tq_mixin": mixin, "__reduce_ex__": _reduce_generated}
+        attrs = {
+            "__module__": base.__module__,
+            "tq_kind": kind,
+            "tq_base": base,
+            "tq_mixin": mixin,
+            "__reduce_ex__": _reduce_generated,
+        }
         _CLASS_CACHE[key] = type(f"FakeQuant{base.__name__}", (mixin, base), attrs)
     return _CLASS_CACHE[key]
 

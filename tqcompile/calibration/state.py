@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tqcompile.calibration.algorithms import SCALE_SEARCH
 from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, check_not_sharded, set_record
 from tqcompile.calibration.config import SLOTS, ModuleTypeImportError, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
@@ -125,6 +126,8 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
 
                 amax = DTensor.from_local(amax, expert_mesh, [Shard(0)], run_check=False)
             entry[s] = {"quantizer": None if q.quantizer is None else quantizer_to_dict(q.quantizer), "amax": amax}
+            if transformed(q):
+                entry[s]["method"] = q.method  # how GPTQ / AWQ / SmoothQuant made the weight, for tq.summary
         modules[name] = entry
     return {
         "format": STATE_FORMAT,
@@ -200,6 +203,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         for s, tq_ in module.quantizers().items():
             a = amaxes[s]
             tq_.set_amax(None if a is None else a.to(module_device(module)))
+            tq_.method = saved[name][s].get("method")
     set_record(model, [p[1] for p in plans], CalibrationRecord(config, state["algorithm"], float(state["percentile"])))
     return model
 
@@ -267,6 +271,11 @@ def describe_quantizer(q: Quantizer) -> str:
     return f"{q.format.name if isinstance(q, IntQuantizer) else q.format.name} {how}"
 
 
+def transformed(q: TensorQuantizer) -> bool:
+    """Whether a weight transform (GPTQ, AWQ, SmoothQuant) made this quantizer's weight."""
+    return q.enabled and q.method is not None and q.method not in SCALE_SEARCH
+
+
 def _describe(q: TensorQuantizer) -> str:
     if not q.enabled:
         return "off"
@@ -287,6 +296,7 @@ class SummaryRow:
     input: str
     weight: str
     output: str
+    method: str = ""  # how a weight transform made the weight ("gptq", "awq+max", "smoothquant+gptq"); "" for none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +307,14 @@ class QuantSummary:
 
     def __str__(self) -> str:
         head = ("module", "class", "kind", "input", "weight", "output")
-        cells = [head] + [(r.name or "<root>", r.module_class, r.kind, r.input, r.weight, r.output) for r in self.rows]
+        with_method = any(r.method for r in self.rows)
+        if with_method:
+            head += ("method",)
+        cells = [head] + [
+            (r.name or "<root>", r.module_class, r.kind, r.input, r.weight, r.output)
+            + ((r.method or "-",) if with_method else ())
+            for r in self.rows
+        ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -318,7 +335,15 @@ def summary(model: nn.Module) -> QuantSummary:
     rows = []
     for name, module, qs in quantized_modules(model):
         _warn_detached(name, module, qs, "tq.summary")
-        rows.append(SummaryRow(name, class_name(module), kind_of(module)[0], *(_describe(qs[s]) for s in SLOTS)))
+        rows.append(
+            SummaryRow(
+                name,
+                class_name(module),
+                kind_of(module)[0],
+                *(_describe(qs[s]) for s in SLOTS),
+                qs["weight"].method if transformed(qs["weight"]) else "",
+            )
+        )
     if not rows:
         raise ValueError("tq.summary: the model has no fake-quantized module; run tq.calibrate or tq.restore first")
     return QuantSummary(tuple(rows))

@@ -1,0 +1,372 @@
+"""GPTQ, AWQ and SmoothQuant through `tq.calibrate(algorithm=...)` (issue 18).
+
+- the algorithm argument: strings, value objects, ordered combinations; bad ones refused;
+- smoothing folds leave the float model's output unchanged: bit for bit with power-of-two scales
+  (the fold itself is exact), within a stated bound with real scales; where no op folds exactly
+  (a norm's output read twice, a GELU MLP), the layer is reported and left unsmoothed;
+- GPTQ and AWQ lower the model's error against round to nearest;
+- every algorithm x format exports (compressed-tensors decompresses each weight bit for bit equal
+  to what the model computes with) and restores (`tq.quant_state` / `tq.restore`, methods kept);
+- MoE experts: per-expert Hessians, the router compensated for the fold, an expert with no tokens
+  rounded to nearest with a warning;
+- QAT continues from a transformed model; a failing calibration leaves the weights untouched.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from moe_models import tiny_hf_moe
+from torch import nn
+
+import tqcompile as tq
+from tqcompile.calibration import CalibrationWarning, QuantRule
+from tqcompile.calibration import transforms as tfm
+from tqcompile.configs import GEMM_LAYERS, default_disabled
+from tqcompile.formats import Format
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer
+
+VOCAB = 96
+
+
+def tiny_llama(kv_heads: int = 4, seed: int = 0, hidden: int = 64, inter: int = 128) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _ids(seed: int, n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (2, 24), generator=g) for _ in range(n)]
+
+
+CALIB, TEST = _ids(1), _ids(2, 2)
+
+
+def _loop(m):
+    for x in CALIB:
+        m(x)
+
+
+def _logits(model, batches=TEST) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(x).logits for x in batches])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _float_copy(model: nn.Module, build) -> nn.Module:
+    """A fresh float model holding `model`'s (transformed) weights: the float model after the folds."""
+    fresh = build()
+    fresh.load_state_dict(model.state_dict())
+    return fresh
+
+
+def _calibrate(model, config, algorithm, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, config, _loop, algorithm=algorithm, progress=False, **kw)
+    return [str(w.message) for w in caught if issubclass(w.category, CalibrationWarning)]
+
+
+def _methods(model) -> dict[str, str]:
+    return {r.name: r.method for r in tq.summary(model).rows if r.weight != "off"}
+
+
+# ------------------------------------------------------------------------------------------------
+# The argument
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "algorithm, match",
+    [
+        ("gptq2", "algorithm='gptq2' is not allowed; allowed: 'max'"),
+        (("max", "mse"), "two scale searches"),
+        (("gptq", "awq"), "puts AWQ after GPTQ"),
+        (("awq", "smoothquant"), "two smoothing transforms"),
+        (("gptq", tq.GPTQ()), "GPTQ twice"),
+        ((), "is empty"),
+        (3, "algorithm=3 is not allowed"),
+    ],
+)
+def test_bad_algorithm_is_refused_before_anything_changes(algorithm, match):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        tq.calibrate(model, tq.configs.int8(), _loop, algorithm=algorithm, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(isinstance(m, tq.calibration.FakeQuantModule) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: tq.GPTQ(block_size=0), "block_size=0"),
+        (lambda: tq.GPTQ(dampening=0.0), "dampening=0.0"),
+        (lambda: tq.GPTQ(act_order="yes"), "act_order='yes'"),
+        (lambda: tq.AWQ(grid=0), "grid=0"),
+        (lambda: tq.AWQ(max_shrink=1.0), "max_shrink=1.0"),
+        (lambda: tq.SmoothQuant(alpha=1.5), r"alpha=1.5 is not allowed; allowed: a number in \[0.0, 1.0\]"),
+    ],
+)
+def test_bad_knobs_name_the_value_and_the_range(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_value_objects_are_frozen_and_hashable():
+    a = tq.GPTQ(block_size=64)
+    assert a == tq.GPTQ(block_size=64) and hash(a) == hash(tq.GPTQ(block_size=64))
+    with pytest.raises(AttributeError):
+        a.block_size = 32
+    with pytest.raises(ValueError, match="sequential='no'"):
+        tq.calibrate(tiny_llama(), tq.configs.int8(), _loop, algorithm="gptq", sequential="no", progress=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Folds
+# ------------------------------------------------------------------------------------------------
+def _power_of_two_scales(monkeypatch):
+    """SmoothQuant's scales rounded to powers of two (2^-2 .. 2^2, seeded): the fold is then exact."""
+    g = torch.Generator().manual_seed(5)
+
+    def scales(fold, stats, algo):
+        n = tfm._weight(fold.consumers[0]).shape[-1]
+        return 2.0 ** torch.randint(-2, 3, (n,), generator=g).float()
+
+    monkeypatch.setattr(tfm, "_smoothquant_scales", scales)
+
+
+def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
+    _power_of_two_scales(monkeypatch)
+    ref = _logits(tiny_llama())
+    model = tiny_llama()
+    caught = _calibrate(model, tq.configs.int8(), "smoothquant")
+    assert not caught, caught
+    # Every layer folded: q/k/v and gate/up into the norms, o into v (4 kv heads), down into up.
+    methods = _methods(model)
+    assert set(methods.values()) == {"smoothquant+max"} and len(methods) == 14, methods
+    smoothed = _float_copy(model, tiny_llama)
+    assert not torch.equal(smoothed.model.layers[0].input_layernorm.weight, tiny_llama().model.layers[0].input_layernorm.weight)
+    assert torch.equal(_logits(smoothed), ref)
+
+
+def test_smoothing_fold_with_real_scales_is_within_float_rounding():
+    ref = _logits(tiny_llama())
+    model = tiny_llama()
+    _calibrate(model, tq.configs.int8(), tq.SmoothQuant(alpha=0.8))
+    err = (_logits(_float_copy(model, tiny_llama)) - ref).abs().max() / ref.abs().max()
+    assert err < 1e-5, err  # each fold rounds a weight twice (divide, multiply): a few fp32 ulps
+
+
+def test_grouped_query_attention_leaves_o_proj_unsmoothed_and_says_so():
+    model = tiny_llama(kv_heads=2)  # v_proj has 32 outputs, o_proj 64 inputs: nothing folds into o_proj
+    caught = _calibrate(model, tq.configs.int8(), "smoothquant")
+    assert len(caught) == 1 and "model.layers.0.self_attn.o_proj" in caught[0] and "model.layers.1.self_attn.o_proj" in caught[0]
+    methods = _methods(model)
+    assert methods["model.layers.0.self_attn.o_proj"] == "" and methods["model.layers.0.mlp.down_proj"] == "smoothquant+max"
+
+
+class _NormReadTwice(nn.Module):
+    """A norm whose output feeds a linear *and* the residual: a fold would change the residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.fc2(self.act(self.fc1(h))) + h
+
+
+def test_no_fold_where_the_model_reads_the_output_elsewhere():
+    torch.manual_seed(0)
+    model = _NormReadTwice().eval()
+    x = torch.randn(4, 8, 32)
+    with torch.no_grad():
+        ref = model(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(x), algorithm="smoothquant", progress=False)
+    (msg,) = [str(w.message) for w in caught if issubclass(w.category, CalibrationWarning)]
+    assert "fc1" in msg and "fc2" in msg  # fc1: the norm's output is read twice; fc2: after a GELU
+    fresh = _NormReadTwice().eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(x), ref)  # nothing was folded
+
+
+# ------------------------------------------------------------------------------------------------
+# Quality
+# ------------------------------------------------------------------------------------------------
+def test_gptq_lowers_the_error_of_round_to_nearest():
+    ref = _logits(tiny_llama())
+    errors = {}
+    for algo in ("max", "gptq", tq.GPTQ(act_order=True)):
+        model = tiny_llama()
+        _calibrate(model, tq.configs.int4_weight_only(32), algo)
+        errors[repr(algo)] = _rel(_logits(model), ref)
+    assert errors["'gptq'"] < 0.8 * errors["'max'"], errors
+    assert errors[repr(tq.GPTQ(act_order=True))] < 0.8 * errors["'max'"], errors
+
+
+def test_smoothquant_then_gptq_runs_in_that_order():
+    model = tiny_llama()
+    _calibrate(model, tq.configs.int8(), ("smoothquant", "gptq"))
+    assert set(_methods(model).values()) == {"smoothquant+gptq"}
+    rec = tq.quant_state(model)["algorithm"]
+    assert rec == "SmoothQuant(alpha=0.5) + GPTQ(block_size=128, dampening=0.01, act_order=False) + max"
+
+
+def test_sequential_and_single_pass_both_work():
+    """One pass for the model (later layers see float inputs) or one per layer (they see the rounded
+    earlier layers): different Hessians, so different weights; both beat round to nearest."""
+    ref = _logits(tiny_llama())
+    rtn = tiny_llama()
+    _calibrate(rtn, tq.configs.int4_weight_only(32), "max")
+    a, b = tiny_llama(), tiny_llama()
+    _calibrate(a, tq.configs.int4_weight_only(32), "gptq", sequential=True)
+    _calibrate(b, tq.configs.int4_weight_only(32), "gptq", sequential=False)
+    first = "model.layers.0.self_attn.q_proj.weight"
+    last = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(a.state_dict()[first], b.state_dict()[first])  # the first layer sees the same inputs
+    assert not torch.equal(a.state_dict()[last], b.state_dict()[last])
+    for m in (a, b):
+        assert _rel(_logits(m), ref) < _rel(_logits(rtn), ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# Export and restore
+# ------------------------------------------------------------------------------------------------
+def _gemm_config(weight, inputs=False):
+    return tq.calibration.QuantConfig((QuantRule(module_types=GEMM_LAYERS, input=inputs, weight=weight, must_match=False), *default_disabled()))
+
+
+_CASES = {
+    "gptq-int4g32": ("gptq", lambda: tq.configs.int4_weight_only(32)),
+    "gptq-int8-w8a8": (("smoothquant", "gptq"), tq.configs.int8),
+    "gptq-int8-token": (
+        ("smoothquant", "gptq"),
+        lambda: _gemm_config(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE)),
+    ),
+    "gptq-fp8-channel": ("gptq", lambda: _gemm_config(Float8Quantizer(granularity=Granularity.ROWWISE))),
+    "smoothquant-fp8": ("smoothquant", tq.configs.fp8),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_transformed_model_exports_and_restores(tmp_path, case):
+    from test_export import _assert_bits, _decompress, _read
+
+    algo, make = _CASES[case]
+    model = tiny_llama()
+    _calibrate(model, make(), algo)
+    tq.export(model, str(tmp_path / "ckpt"))
+    tensors = _read(str(tmp_path / "ckpt"))
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name != "lm_head":
+            with torch.no_grad():
+                want = m.weight_quantizer(m.weight)
+            assert torch.equal(want, m.weight.float()), f"{name}: the transformed weight is not on its grid"
+            _assert_bits(_decompress(str(tmp_path / "ckpt"), tensors, name), want, f"{case} {name}")
+    # quant_state + the model's state_dict rebuild it exactly, with how each weight was made.
+    state = tq.quant_state(model)
+    torch.save(state, tmp_path / "q.pt")
+    fresh = tq.restore(tiny_llama(), torch.load(tmp_path / "q.pt", weights_only=True))
+    fresh.load_state_dict(model.state_dict())
+    assert tq.summary(fresh).rows == tq.summary(model).rows
+    assert torch.equal(_logits(fresh), _logits(model))
+
+
+def test_qat_continues_from_gptq():
+    model = tiny_llama()
+    _calibrate(model, tq.configs.int4_weight_only(32), "gptq")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.train()
+    x = CALIB[0]
+    losses = []
+    for _ in range(4):
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+
+
+def test_failed_calibration_puts_the_weights_back():
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def loop(m):
+        calls.append(1)
+        if len(calls) == 3:  # the third group's pass: two groups are already transformed
+            raise RuntimeError("data loader died")
+        _loop(m)
+
+    with pytest.raises(RuntimeError, match="data loader died"):
+        tq.calibrate(model, tq.configs.int8(), loop, algorithm=("smoothquant", "gptq"), progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(isinstance(m, tq.calibration.FakeQuantModule) for m in model.modules())
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE
+# ------------------------------------------------------------------------------------------------
+def _moe_ids() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (2, 16), generator=g) for _ in range(2)]
+
+
+def test_moe_experts_smooth_with_the_router_compensated_and_gptq_per_expert(monkeypatch):
+    _power_of_two_scales(monkeypatch)
+    ids = _moe_ids()
+    build = lambda: tiny_hf_moe("qwen3_moe", layers=1)  # noqa: E731
+    with torch.no_grad():
+        ref = torch.cat([build()(x).logits for x in ids])
+    model = build()
+    config = tq.configs.int8()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        tq.calibrate(model, config, lambda m: [m(x) for x in ids], algorithm="smoothquant", progress=False)
+    methods = _methods(model)
+    assert methods["model.layers.0.mlp.experts.gate_up_proj_gemm"] == "smoothquant+max"
+    fresh = build()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(torch.cat([fresh(x).logits for x in ids]), ref)  # router and experts both folded exactly
+
+    model = build()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        tq.calibrate(model, config, lambda m: [m(x) for x in ids], algorithm=("smoothquant", "gptq"), progress=False)
+    assert _methods(model)["model.layers.0.mlp.experts.down_proj_gemm"] == "gptq"
+    assert _methods(model)["model.layers.0.mlp.experts.gate_up_proj_gemm"] == "smoothquant+gptq"
+
+
+def test_expert_without_tokens_is_rounded_to_nearest_with_a_warning():
+    model = tiny_hf_moe("qwen3_moe", layers=1)
+
+    def never_expert_3(_module, _args, out):
+        logits, scores, idx = out
+        return logits, scores, torch.where(idx == 3, torch.zeros_like(idx), idx)
+
+    model.model.layers[0].mlp.gate.register_forward_hook(never_expert_3)
+    ids = _moe_ids()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, tq.configs.int4_weight_only(32), lambda m: [m(x) for x in ids], algorithm="gptq", progress=False)
+    msgs = "\n".join(str(w.message) for w in caught)
+    assert "experts.gate_up_proj_gemm expert 3: received no tokens" in msgs, msgs
+    w = model.model.layers[0].mlp.experts.gate_up_proj_gemm
+    with torch.no_grad():
+        assert torch.equal(w.weight_quantizer(w.weight)[3], w.weight[3].float())
