@@ -31,7 +31,8 @@ What it does:
    weights and dynamic per-token activations, the scheme vLLM serves), with the unigram baseline and
    the float model's perplexity, and the whole run's wall time.
 
-An algorithm this tq does not offer yet (`tq.calibrate` raises ValueError for it) is shown as n/a.
+An algorithm this tq does not offer yet (`tq.calibrate` refuses its name, or its module is missing) is
+shown as n/a, with the reason under the table.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from ptq_eval import peak_rss_mib, perplexity, windows  # noqa: E402
 from serve_with_vllm import _config, text_bytes  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
+from tqcompile.calibration.algorithms import GPTQ  # noqa: E402
 from tqcompile.formats import Format  # noqa: E402
 from tqcompile.quantizers import Granularity, IntQuantizer  # noqa: E402
 
@@ -163,6 +165,8 @@ def unigram_perplexity(train_ids: torch.Tensor, rows: torch.Tensor) -> float:
 INT4_ROWS = (
     ("RTN (tq `max`; llmc QuantizationModifier)", "max", "rtn"),
     ("GPTQ", "gptq", "gptq"),
+    # llmcompressor's GPTQ orders columns by the Hessian's diagonal by default ("static"); tq's default does not.
+    ("GPTQ, act_order=True (tq only)", GPTQ(act_order=True), None),
     ("AWQ", "awq", "awq"),
 )
 W8A8_ROWS = (
@@ -204,10 +208,11 @@ def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, 
                     algorithm=algorithm,
                     progress=False,
                 )
-        except ValueError as e:
-            if "algorithm" not in str(e):
+        except (ValueError, ImportError) as e:
+            # Not offered by this tq (yet): tq.calibrate refuses the name, or its module is not there.
+            if isinstance(e, ValueError) and "algorithm" not in str(e):
                 raise
-            queue.put({"na": str(e).splitlines()[0]})
+            queue.put({"na": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
             return
         seconds = time.perf_counter() - start
         rss = peak_rss_mib()
@@ -271,6 +276,9 @@ def print_table(title: str, float_ppl: float, rows: list[dict]) -> None:
         llmc = row["llmc"]
         in_tq = "" if llmc is None else f"{llmc['ppl_in_tq']:.3f}" if "ppl_in_tq" in llmc else llmc.get("ppl_in_tq_error", "")
         print(f"| {row['label']} | {_cell_ppl(row['tq'])} | {_cell_ppl(llmc)} | {in_tq} | {_cell_cost(row['tq'])} | {_cell_cost(llmc)} |")
+    for row in rows:
+        if row["tq"] is not None and "na" in row["tq"]:
+            print(f"\nn/a: tq {row['label']}: {row['tq']['na']}")
 
 
 def main() -> None:
@@ -329,7 +337,7 @@ def main() -> None:
             tq_r = in_fresh_process(_tq_run, str(model_dir), str(data_path), scheme, group, algorithm, args.threads)
             print(f"   tq   {tq_r}", flush=True)
             llmc_r = None
-            if args.llmc_python:
+            if args.llmc_python and recipe is not None:
                 llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, recipe, group, workdir, args.threads)
                 print(f"   llmc {llmc_r}", flush=True)
             rows.append({"label": label, "algorithm": algorithm, "llmc_recipe": recipe, "tq": tq_r, "llmc": llmc_r})
