@@ -119,6 +119,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
+    if not torch.accelerator.is_available():
+        # llmcompressor 0.14's AWQ pins its cached activations in page-locked memory (for faster copies
+        # to an accelerator) unconditionally, which CPU-only torch refuses ("Cannot access accelerator
+        # device when none is available"). Pinning changes no value: without an accelerator, skip it.
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     data = torch.load(a.data)
     calib = data["calib"]
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
