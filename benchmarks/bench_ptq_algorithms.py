@@ -24,7 +24,8 @@ What it does:
    llmcompressor (`llmc_ptq_worker.py` in --llmc-python) runs `oneshot` with the matching modifiers,
    writes its compressed checkpoint, loads it back with transformers (compressed-tensors
    decompresses the weights to ``q * scale``, and its quantized forward quantizes W8A8 inputs per
-   token; the worker checks both) and scores it with the same perplexity function (`ptq_eval.py`).
+   token; the worker checks both) and scores it with the same function (`ptq_eval.scores`:
+   perplexity, and the KL divergence of its next-token distributions from the float model's).
    The llmcompressor checkpoint is also read by `tq.load_exported` and scored in tq ("llmc ckpt in tq":
    the same weights under tq's symmetric integer range, see the footnote).
 4. prints three markdown tables (INT4 weight-only, groups of 128 and of 32; W8A8 INT8 with per-channel
@@ -54,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling benchmark scripts, imported for their helpers
 
 from bench_export_memory import in_fresh_process  # noqa: E402
-from ptq_eval import peak_rss_mib, perplexity, windows  # noqa: E402
+from ptq_eval import peak_rss_mib, scores, windows  # noqa: E402
 from serve_with_vllm import _config, text_bytes  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
@@ -151,7 +152,7 @@ def train(model_dir: Path, train_ids: torch.Tensor, *, layers: int, steps: int, 
 
 def unigram_perplexity(train_ids: torch.Tensor, rows: torch.Tensor) -> float:
     """Perplexity of the byte frequencies of the training split (add-one smoothed) on the positions
-    `perplexity` scores (every token of each row but its first)."""
+    `ptq_eval.scores` scores (every token of each row but its first)."""
     counts = torch.bincount(train_ids, minlength=256).double() + 1
     logp = (counts / counts.sum()).log()
     return math.exp(-logp[rows[:, 1:].reshape(-1)].mean().item())
@@ -216,12 +217,13 @@ def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, 
             return
         seconds = time.perf_counter() - start
         rss = peak_rss_mib()
-        queue.put({"ppl": perplexity(model, data["eval"]), "seconds": seconds, "peak_rss_mib": rss, "rss_before_mib": rss_before})
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        queue.put({**scores(model, data["eval"], reference), "seconds": seconds, "peak_rss_mib": rss, "rss_before_mib": rss_before})
     except Exception as e:  # noqa: BLE001 - a benchmark reports the failed row and goes on
         queue.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
 
 
-def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, group: int, workdir: Path, threads: int) -> dict:
+def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, group: int, workdir: Path, threads: int, reference) -> dict:
     """llmcompressor's row in its own environment (llmc_ptq_worker.py); then its checkpoint read by tq."""
     out = workdir / f"llmc_{recipe}_g{group}"
     result_path = out.with_suffix(".json")
@@ -240,9 +242,9 @@ def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, g
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # load_exported warns about llmcompressor's -8/-128 codes: the footnote says it
-            result["ppl_in_tq"] = perplexity(tq.load_exported(str(out)), torch.load(data_path)["eval"])
+            result["in_tq"] = scores(tq.load_exported(str(out)), torch.load(data_path)["eval"], reference)
     except Exception as e:  # noqa: BLE001
-        result["ppl_in_tq_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        result["in_tq_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return result
 
 
@@ -258,7 +260,7 @@ def _cell_ppl(r: dict | None) -> str:
         return "n/a"
     if "error" in r:
         return f"error: {r['error']}"
-    return f"{r['ppl']:.3f}"
+    return f"{r['ppl']:.4f} ({r['kl'] * 1e3:.2f})"
 
 
 def _cell_cost(r: dict | None) -> str:
@@ -268,13 +270,13 @@ def _cell_cost(r: dict | None) -> str:
 
 
 def print_table(title: str, float_ppl: float, rows: list[dict]) -> None:
-    print(f"\n**{title}** (float: {float_ppl:.3f})\n")
-    print("| method | tq ppl | llmc ppl | llmc ckpt in tq | tq time, peak RSS | llmc time, peak RSS |")
+    print(f"\n**{title}**: perplexity (KL from float, 10⁻³ nats)\n")
+    print("| method | tq | llmcompressor | llmc ckpt in tq | tq time, peak RSS | llmc time, peak RSS |")
     print("|---|---|---|---|---|---|")
-    print(f"| float | {float_ppl:.3f} | {float_ppl:.3f} | | | |")
+    print(f"| float | {float_ppl:.4f} | {float_ppl:.4f} | | | |")
     for row in rows:
         llmc = row["llmc"]
-        in_tq = "" if llmc is None else f"{llmc['ppl_in_tq']:.3f}" if "ppl_in_tq" in llmc else llmc.get("ppl_in_tq_error", "")
+        in_tq = "" if llmc is None else _cell_ppl(llmc["in_tq"]) if "in_tq" in llmc else llmc.get("in_tq_error", "")
         print(f"| {row['label']} | {_cell_ppl(row['tq'])} | {_cell_ppl(llmc)} | {in_tq} | {_cell_cost(row['tq'])} | {_cell_cost(llmc)} |")
     for row in rows:
         if row["tq"] is not None and "na" in row["tq"]:
@@ -317,7 +319,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    float_ppl = perplexity(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), eval_rows)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    float_ppl = scores(reference, eval_rows)["ppl"]
     unigram = unigram_perplexity(train_ids, eval_rows)
     print(f"model: {layers} layers, trained {steps} steps ({train_s:.0f} s when built); held-out {eval_rows.numel()} tokens; "
           f"calibration {n_calib} x {seq} tokens; float perplexity {float_ppl:.3f}, unigram baseline {unigram:.3f}", flush=True)
@@ -338,7 +341,7 @@ def main() -> None:
             print(f"   tq   {tq_r}", flush=True)
             llmc_r = None
             if args.llmc_python and recipe is not None:
-                llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, recipe, group, workdir, args.threads)
+                llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, recipe, group, workdir, args.threads, reference)
                 print(f"   llmc {llmc_r}", flush=True)
             rows.append({"label": label, "algorithm": algorithm, "llmc_recipe": recipe, "tq": tq_r, "llmc": llmc_r})
         if rows:

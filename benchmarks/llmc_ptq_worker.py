@@ -15,7 +15,7 @@ beside it, torch only).
    compressed-tensors decompresses the weights to ``q * scale``; each Linear keeps its quantized
    forward, which quantizes its input per token for W8A8), checks that every targeted Linear's weights are integer codes times
    its scales and that its input quantization is on, and computes the held-out perplexity with
-   `ptq_eval.perplexity`.
+   `ptq_eval.scores` (and its KL divergence from the float model).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ptq_eval import peak_rss_mib, perplexity  # noqa: E402
+from ptq_eval import peak_rss_mib, scores  # noqa: E402
 
 RECIPES = ("rtn", "gptq", "awq", "w8a8", "sq", "sq_gptq")
 
@@ -150,8 +150,9 @@ def main() -> None:
     # that check_quantized sees them.
     loaded = AutoModelForCausalLM.from_pretrained(a.out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
     evidence = check_quantized(loaded)
+    reference = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     result = {
-        "ppl": perplexity(loaded, data["eval"]),
+        **scores(loaded, data["eval"], reference),
         "seconds": seconds,
         "peak_rss_mib": rss,
         "rss_before_mib": rss_before,

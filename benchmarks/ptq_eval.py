@@ -19,17 +19,25 @@ def windows(ids: torch.Tensor, seq: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int = 8) -> float:
-    """exp(mean next-token negative log-likelihood) over every predicted position of `rows`
-    (each row scored on its own: its first token is context only)."""
+def scores(model: torch.nn.Module, rows: torch.Tensor, reference: torch.nn.Module | None = None, batch: int = 8) -> dict:
+    """Over every predicted position of `rows` (each row scored on its own: its first token is
+    context only): ``ppl``, exp(mean next-token negative log-likelihood); and with a `reference`
+    model (the float one), ``kl``, the mean KL(reference || model) of the next-token distributions
+    in nats, which separates near-lossless quantizations that perplexity alone cannot."""
     model.eval()
-    nll, count = 0.0, 0
+    nll, kl, count = 0.0, 0.0, 0
     for i in range(0, rows.shape[0], batch):
         x = rows[i : i + batch]
-        logits = model(input_ids=x).logits[:, :-1].float()
-        nll += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
+        logp = model(input_ids=x).logits[:, :-1].float().log_softmax(-1).flatten(0, 1)
+        nll -= logp.gather(-1, x[:, 1:].reshape(-1, 1)).sum().item()
+        if reference is not None:
+            ref = reference(input_ids=x).logits[:, :-1].float().log_softmax(-1).flatten(0, 1)
+            kl += (ref.exp() * (ref - logp)).sum().item()
         count += x[:, 1:].numel()
-    return math.exp(nll / count)
+    out = {"ppl": math.exp(nll / count)}
+    if reference is not None:
+        out["kl"] = kl / count
+    return out
 
 
 def peak_rss_mib() -> float:
