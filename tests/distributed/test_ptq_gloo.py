@@ -11,6 +11,8 @@ single-process runs built the other way:
 2. orders: quantize -> convert_sync_batchnorm; convert_sync_batchnorm -> quantize; DDP (on CPU
    DDP refuses SyncBatchNorm, so DDP wraps the BatchNorm model) -> quantize. Each state restores
    into a single-process model built another way: same keys, same summary rows, same outputs;
+4. weight transforms (SmoothQuant then GPTQ), data-parallel: Hessians and channel maxima reduced,
+   so every rank rounds the same weights, those of one process on the union of the data;
 3. expert parallelism: each rank holds 2 of 4 experts; `tq.quant_state(model, expert_mesh=...)`
    (no collective) is saved with DCP, and loads bit for bit with EP=2 (on the ranks) and EP=1
    (here, one process).
@@ -182,6 +184,42 @@ def _check_expert_parallel(rank: int, world, results: dict, out_dir: str) -> Non
     results["ep_reloaded_amax"] = {s: getattr(fresh, f"{s}_quantizer").amax for s in ("input", "weight")}
 
 
+class _NormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(self.norm(x))))
+
+
+def _norm_mlp() -> _NormMLP:
+    torch.manual_seed(2)
+    return _NormMLP().eval()
+
+
+def _mlp_batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(30 + rank)
+    return [torch.randn(16, D, generator=g) * (1.0 + rank) + torch.arange(D) / D for _ in range(3)]
+
+
+TRANSFORMS = ("smoothquant", "gptq")
+
+
+def _check_transforms_data_parallel(rank: int, world, results: dict, out_dir: str) -> None:
+    # 4. SmoothQuant + GPTQ: statistics (Hessians, channel maxima) reduced over the ranks; a
+    #    data-parallel MoE whose ranks each miss a different expert: every expert gets a Hessian.
+    m = tq.calibrate(_norm_mlp(), CONFIG, _loop(_mlp_batches(rank)), algorithm=TRANSFORMS, amax_groups=[world], progress=False)
+    results["transforms"] = {"weights": m.state_dict(), "state": tq.quant_state(m)}
+    splits = [[6, 0, 6, 6], [6, 6, 0, 6]][rank]
+    moe = _experts(EXPERTS, 0)
+    local_tokens = torch.cat([_tokens(e) * (1 + rank) for e, n in enumerate(splits) if n])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tq.calibration.CalibrationWarning)  # no expert rounded for lack of tokens
+        tq.calibrate(moe, tq.configs.fp8(), lambda m: m(local_tokens, splits), algorithm="gptq", amax_groups=[world], progress=False)
+    results["dp_moe_gptq_weight"] = moe.weight.detach().clone()
+
+
 def _rank_checks(rank: int, out_dir: str) -> None:
     world = dist.group.WORLD
     results: dict = {}
@@ -192,6 +230,7 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         _check_percentile,
         _check_data_parallel_moe,
         _check_expert_parallel,
+        _check_transforms_data_parallel,
     )
     run_checks(rank, [(c.__name__.removeprefix("_check_"), lambda c=c: c(rank, world, results, out_dir)) for c in checks])
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -244,6 +283,24 @@ def test_ptq_two_ranks(tmp_path, one_thread):
     expected = torch.stack([t.abs().amax() for t in union_tokens])
     for r, res in enumerate(ranks):
         assert torch.equal(res["dp_moe_input_amax"], expected), f"rank {r} data-parallel MoE input amaxes"
+
+    # 4. Weight transforms: every rank made the same weights; they are those of one process on the
+    #    union of the data (float64 Hessian sums in another order: a rounding tie may flip, so equal
+    #    in all but a few elements, each at most one quantization step away).
+    t0 = ranks[0]["transforms"]
+    for r, res in enumerate(ranks[1:], 1):
+        for k, v in res["transforms"]["weights"].items():
+            assert torch.equal(v, t0["weights"][k]), f"rank {r} {k}"
+        _assert_same_amaxes(res["transforms"]["state"], t0["state"], f"rank {r} transforms")
+    union_m = tq.calibrate(_norm_mlp(), CONFIG, _loop(_mlp_batches(0) + _mlp_batches(1)), algorithm=TRANSFORMS, progress=False)
+    local_m = tq.calibrate(_norm_mlp(), CONFIG, _loop(_mlp_batches(0)), algorithm=TRANSFORMS, progress=False)
+    for k in ("fc1.weight", "fc2.weight"):
+        got, want, local = t0["weights"][k], union_m.state_dict()[k], local_m.state_dict()[k]
+        assert (got == want).float().mean() > 0.99, k
+        step = t0["state"]["modules"][k.removesuffix(".weight")]["weight"]["amax"] / 127
+        assert ((got - want).abs() <= step * 1.001).all(), k
+        assert (local != want).float().mean() > 0.2, k  # the reduction matters: one rank's data alone gives other weights
+    assert torch.equal(ranks[0]["dp_moe_gptq_weight"], ranks[1]["dp_moe_gptq_weight"])
 
     # 2. Every order gives the same state; each restores into a single-process model built another way.
     ref = ranks[0]["quantize_then_sync"]

@@ -45,6 +45,7 @@ never does worse than `max` calibration on its own data.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -93,9 +94,9 @@ class _BlockScaled:
     """GPTQ's column rounding for MX / NVFP4: each block's scale held fixed while its columns are
     rounded, in the element arithmetic of `reference.quantize` / `reference.dequantize`."""
 
-    def __init__(self, q: MXQuantizer | NVFP4Quantizer, w: torch.Tensor, perm: torch.Tensor, act_order: bool):
+    def __init__(self, q: MXQuantizer | NVFP4Quantizer, w: torch.Tensor, perm: torch.Tensor, act_order: bool, amax):
         self.q, self.block, self.act_order = q, q.layout()[2], act_order
-        self.amax = _static_amax(w, q)  # NVFP4: the starting weight's tensor amax, so s_enc stays; MX: None
+        self.amax = amax  # NVFP4: the starting weight's tensor amax (or a fused group's), so s_enc stays; MX: None
         self.s_enc = nvfp4_tensor_scale(self.amax, q) if isinstance(q, NVFP4Quantizer) else None
         self.top = q.element_format().max_value
         # act_order visits columns out of order: static groups, every block's scale from the starting weight.
@@ -136,6 +137,16 @@ class _BlockScaled:
         return codes * (scale / self.s_enc)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor | None:
     """Upper Cholesky factor of the dampened Hessian's inverse; None if it stays singular after
     raising the dampening tenfold twice."""
@@ -173,7 +184,13 @@ class _Result:
 
 
 def gptq_quantize(
-    weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ | None = None, *, name: str = "weight"
+    weight: torch.Tensor,
+    h: torch.Tensor,
+    quantizer: Quantizer,
+    config: GPTQ | None = None,
+    *,
+    name: str = "weight",
+    tensor_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """GPTQ-round `weight` (out, in) for inputs with Hessian `h` (in, in).
 
@@ -181,12 +198,17 @@ def gptq_quantize(
     amax) == Q``; amax in the quantizer's static layout (0-dim, (out, 1) or (out, in / block); the
     starting weight's tensor amax for NVFP4; None for MX, whose scales all come from Q's blocks);
     `how` "gptq", or "rtn" where GPTQ was not better or the Hessian stayed singular (warned).
+
+    `tensor_amax`: for NVFP4, the tensor-level amax to hold (at least the weight's own): the max
+    over the weights an engine fuses into one GEMM (q/k/v), which share one global scale.
     """
-    r = _gptq(weight, h, quantizer, config or GPTQ(), name)
+    if tensor_amax is not None and not isinstance(quantizer, NVFP4Quantizer):
+        raise ValueError(f"gptq_quantize: tensor_amax is for NVFP4 weights; {quantizer!r} has none to hold")
+    r = _gptq(weight, h, quantizer, config or GPTQ(), name, tensor_amax)
     return r.q, r.amax, r.how
 
 
-def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ, name: str) -> _Result:
+def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ, name: str, held_amax=None) -> _Result:
     gran = _check(quantizer)
     quantizer.check_shape(weight.shape)
     w = weight.detach().float().clone()
@@ -196,7 +218,12 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f)
-    blocked = _BlockScaled(quantizer, w, perm, config.act_order) if isinstance(quantizer, (MXQuantizer, NVFP4Quantizer)) else None
+    start_amax = held_amax if held_amax is not None else _static_amax(w, quantizer)
+    blocked = (
+        _BlockScaled(quantizer, w, perm, config.act_order, start_amax)
+        if isinstance(quantizer, (MXQuantizer, NVFP4Quantizer))
+        else None
+    )
     rows = None if blocked is not None else dataclasses.replace(quantizer, granularity=Granularity.ROWWISE, axis=-1)
     block = quantizer.layout()[2]
     if blocked is not None:
@@ -219,7 +246,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
         warnings.warn(
             f"GPTQ: the Hessian of {name!r} stays singular after dampening x100; it is rounded to nearest instead", stacklevel=3
         )
-        return _rtn(weight, quantizer, dead)
+        return _rtn(weight, quantizer, dead, held_amax)
     qw = torch.zeros_like(w)
     # Lazy blocks hold whole 1-D scale blocks, so a block's columns are all up to date when its scale is chosen.
     step = -(-config.block_size // block) * block if gran is Granularity.BLOCKWISE_1D else config.block_size
@@ -227,28 +254,29 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
         i2 = min(i1 + step, in_f)
         w1, err = w[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1)
         h1 = hinv[i1:i2, i1:i2].float()
-        for i in range(i2 - i1):
-            j = int(perm[i1 + i])
-            col = w1[:, i : i + 1]
-            if blocked is not None:
-                qc = blocked.round_column(w, w1, i1, i, j)
-            else:
-                if gran is Granularity.BLOCKWISE_1D and not config.act_order and j % block == 0:
-                    # The block's scale from its columns as the earlier errors left them (they are in order).
-                    amax[:, j // block] = unit_amax(w1[:, i : i + block], rows).reshape(-1)
-                # Two copies of the column: 4-bit payloads pack pairs (the element arithmetic is per element).
-                qc = fake_quantize(col.expand(-1, 2).contiguous(), rows, amax=col_amax(j))[:, :1]
-            qw[:, i1 + i] = qc[:, 0]
-            e = (col[:, 0] - qc[:, 0]) / h1[i, i]
-            w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
-            err[:, i] = e
+        with _one_thread():  # tiny per-column ops: thread hand-offs cost more than they give (measured 100x on 2 busy cores)
+            for i in range(i2 - i1):
+                j = int(perm[i1 + i])
+                col = w1[:, i : i + 1]
+                if blocked is not None:
+                    qc = blocked.round_column(w, w1, i1, i, j)
+                else:
+                    if gran is Granularity.BLOCKWISE_1D and not config.act_order and j % block == 0:
+                        # The block's scale from its columns as the earlier errors left them (they are in order).
+                        amax[:, j // block] = unit_amax(w1[:, i : i + block], rows).reshape(-1)
+                    # Two copies of the column: 4-bit payloads pack pairs (the element arithmetic is per element).
+                    qc = fake_quantize(col.expand(-1, 2).contiguous(), rows, amax=col_amax(j))[:, :1]
+                qw[:, i1 + i] = qc[:, 0]
+                e = (col[:, 0] - qc[:, 0]) / h1[i, i]
+                w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
+                err[:, i] = e
         w[:, i2:] -= err @ hinv[i1:i2, i2:].float()
     q = torch.empty_like(qw)
     q[:, perm] = qw
     moved = 0
     if blocked is not None:
         q, moved = _requantize_moved_blocks(q, quantizer, amax)
-    rtn = _rtn(weight, quantizer, dead)
+    rtn = _rtn(weight, quantizer, dead, held_amax)
     if _output_error(weight.float(), q, h) > _output_error(weight.float(), rtn.q, h):
         return dataclasses.replace(rtn, requantized_blocks=moved)
     return _Result(q.to(weight.dtype), amax.reshape(()) if gran is Granularity.TENSORWISE else amax, "gptq", moved)
@@ -263,8 +291,8 @@ def _requantize_moved_blocks(q: torch.Tensor, quantizer: Quantizer, amax: torch.
     return torch.where(moved.repeat_interleave(block, -1), fq, q), int(moved.sum())
 
 
-def _rtn(weight: torch.Tensor, quantizer: Quantizer, dead: torch.Tensor) -> _Result:
-    """Round to nearest with `max` amaxes (what `tq.calibrate` gives), dead inputs zeroed."""
+def _rtn(weight: torch.Tensor, quantizer: Quantizer, dead: torch.Tensor, held_amax=None) -> _Result:
+    """Round to nearest with `max` amaxes (what `tq.calibrate` gives; an NVFP4 amax held), dead inputs zeroed."""
     w = weight.detach().float() * (~dead).float()
-    amax = _static_amax(w, quantizer)
+    amax = held_amax if held_amax is not None else _static_amax(w, quantizer)
     return _Result(fake_quantize(w, quantizer, amax=amax).to(weight.dtype), amax, "rtn", 0)

@@ -39,6 +39,7 @@ from tqcompile.ops.grouped_gemm import equal_ends, expert_ids, grouped_mm
 
 __all__ = [
     "FakeQuantModule",
+    "FUSED_SIBLINGS",
     "ExpertGemmQuantizers",
     "PER_EXPERT_KINDS",
     "canonical_modules",
@@ -53,6 +54,20 @@ __all__ = [
     "base_class",
     "swap_class",
 ]
+
+
+# Weights an engine fuses into one GEMM (vLLM's packed modules): an NVFP4 global scale is shared
+# across them, so each is exported with the max of their amaxes.
+# (The families of vLLM's `packed_modules_mapping`: Llama-style, DeepSeek MLA, BERT, torchtitan.)
+FUSED_SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("w1", "w3"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("query", "key", "value"),
+    ("wq", "wk", "wv"),
+)
 
 
 # Kinds whose input and weight quantizers keep one amax per expert.

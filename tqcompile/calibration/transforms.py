@@ -30,11 +30,11 @@ from tqcompile.calibration.algorithms import AWQ, AlgorithmPlan, SmoothQuant
 from tqcompile.calibration.fake_quant import fake_quantize, static_amax_kind
 from tqcompile.calibration.folds import Fold, FoldRecorder, apply_fold, outputs, prove_fold
 from tqcompile.calibration.gptq import gptq_quantize
-from tqcompile.calibration.modules import ExpertGemmQuantizers, canonical_modules, kind_of
+from tqcompile.calibration.modules import FUSED_SIBLINGS, ExpertGemmQuantizers, canonical_modules, kind_of
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.kernels.reference import unit_amax
 from tqcompile.ops import amax as tensor_amax
-from tqcompile.quantizers import Granularity, Quantizer
+from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 
 __all__ = ["run_transforms", "WeightUndo", "TRANSFORM_KINDS"]
 
@@ -128,20 +128,25 @@ def _reads_module_input(unit: nn.Module) -> bool:
 
 
 def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[tuple[str, list]]:
-    """(name, units) per group, in the model's order (see the module docstring)."""
+    """(name, units) per group, in the model's order (see the module docstring): each element of a
+    ``ModuleList`` is a group; consecutive layers outside any list form one group together (so a
+    linear's scale can still fold into the one before it)."""
     if not sequential:
         return [("model", [u for _, u in units])]
     lists = [n for n, m in canonical_modules(model) if isinstance(m, nn.ModuleList)]
-    groups: dict[str, list] = {}
+    groups: list[tuple[str, list]] = []
     for name, u in units:
-        key = name
+        key = None
         for ln in lists:
             prefix = f"{ln}." if ln else ""
             if name.startswith(prefix) and name != ln:
                 key = prefix + name[len(prefix) :].split(".", 1)[0]
                 break
-        groups.setdefault(key, []).append(u)
-    return list(groups.items())
+        if groups and (groups[-1][0] == key or (key is None and groups[-1][0].startswith("<"))):
+            groups[-1][1].append(u)
+        else:
+            groups.append((key if key is not None else f"<{name}>", [u]))
+    return groups
 
 
 @dataclasses.dataclass
@@ -173,7 +178,7 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     if ctx.unsmoothed:
         warnings.warn(
             f"tq.calibrate: {type(plan.smoothing).__name__} left these layers unsmoothed (no op produces their input that a "
-            "per-channel scale folds into exactly; proved on the first calibration batch); they are rounded without it:\n"
+            "per-channel scale folds into exactly; proved on the first calibration batch); they are rounded without scales:\n"
             + "\n".join(ctx.unsmoothed),
             CalibrationWarning,
             stacklevel=3,
@@ -219,9 +224,10 @@ def _run_group(ctx: _Context, gname: str, members: list, desc: str) -> None:
         ctx.methods.setdefault(id(u), [])
     if plan.smoothing is not None:
         _smooth(ctx, members, stats, recorder)
+    held = _fused_nvfp4_amax(ctx, members) if plan.gptq is not None else {}
     for u in members:
         if plan.gptq is not None:
-            _gptq(ctx, u, stats[id(u)])
+            _gptq(ctx, u, stats[id(u)], held.get(id(u)))
         else:
             ctx.methods[id(u)].append(plan.scale_search)
 
@@ -310,10 +316,14 @@ def _proved(ctx: _Context, fold: Fold, run, baseline, channels: int) -> bool:
 
 def _smooth(ctx: _Context, members: list, stats: dict, recorder: FoldRecorder) -> None:
     folds, left = _find_folds(ctx, members, recorder)
-    for u in left:
-        ctx.unsmoothed.append(f"  {ctx.names.get(id(u), '?')}")
     algo = ctx.plan.smoothing
     name = "smoothquant" if isinstance(algo, SmoothQuant) else "awq"
+    clip = isinstance(algo, AWQ) and algo.clip
+    for u in left:
+        ctx.unsmoothed.append(f"  {ctx.names.get(id(u), '?')}" + (": weight clipping search only" if clip else ""))
+        if clip:  # the clipping search needs no fold
+            _awq_clip(ctx, u, stats[id(u)], algo)
+            ctx.methods[id(u)].append("awq-clip")
     for fold in folds:
         first = stats[id(fold.consumers[0])]
         if isinstance(algo, SmoothQuant):
@@ -349,11 +359,12 @@ def _awq_scales(fold: Fold, stats: dict, algo: AWQ) -> torch.Tensor:
     weights, quantizers, hessians = [], [], []
     for u in fold.consumers:
         st = stats[id(u)]
+        share = st.n / st.n.sum().clamp(min=1)  # experts: each one's error counts by its share of the tokens
         for e, w in _per_expert(u):
             if st.n[e] > 0:
-                weights.append(w.detach().float())
+                weights.append(w.detach())  # in its own dtype: the search rounds the folded weight as the model stores it
                 quantizers.append(u.weight_quantizer.quantizer)
-                hessians.append(st.hessian(e))
+                hessians.append(st.hessian(e) * share[e])
     x_mean = stats[id(fold.consumers[0])].x_mean()
     if not weights:
         return torch.ones_like(x_mean)
@@ -367,7 +378,7 @@ def _awq_clip(ctx: _Context, unit, st: _Stats, algo: AWQ) -> None:
     with torch.no_grad():
         for e, w in _per_expert(unit):
             if st.n[e] > 0:
-                clipped = awq_clip(w.detach().float(), q, st.hessian(e), algo)
+                clipped = awq_clip(w.detach(), q, st.hessian(e), algo)
                 ctx.undo.save(w)
                 w.copy_(clipped.to(w.dtype))
 
@@ -379,8 +390,27 @@ def _rtn_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
     return tensor_amax(w, q) if q.layout()[0] is Granularity.TENSORWISE or q.uses_tensor_amax() else unit_amax(w, q)
 
 
-def _gptq(ctx: _Context, unit, st: _Stats) -> None:
-    """GPTQ-round the unit's weight in place (per expert), and fix its static amax."""
+def _fused_nvfp4_amax(ctx: _Context, members: list) -> dict[int, torch.Tensor]:
+    """{id(unit): amax} for NVFP4 Linear weights an engine fuses into one GEMM (q/k/v, gate/up: one
+    global scale, see `FUSED_SIBLINGS`): the max of their tensor amaxes before any is rounded, so each
+    is rounded under the global scale it is served with and exports as it is."""
+    families: dict[tuple[str, tuple], list] = {}
+    for u in members:
+        parent, _, leaf = ctx.names.get(id(u), "").rpartition(".")
+        fam = next((f for f in FUSED_SIBLINGS if leaf in f), None)
+        if fam is not None and isinstance(u.weight_quantizer.quantizer, NVFP4Quantizer) and _weight(u).dim() == 2:
+            families.setdefault((parent, fam), []).append(u)
+    held = {}
+    for group in families.values():
+        if len(group) > 1:
+            top = torch.stack([_rtn_amax(_weight(u).detach().float(), u.weight_quantizer.quantizer) for u in group]).amax()
+            held.update({id(u): top for u in group})
+    return held
+
+
+def _gptq(ctx: _Context, unit, st: _Stats, held_amax: torch.Tensor | None = None) -> None:
+    """GPTQ-round the unit's weight in place (per expert), and fix its static amax (`held_amax`: an
+    NVFP4 tensor amax shared by a fused group)."""
     t = unit.weight_quantizer
     q, kind, name = t.quantizer, t.static_kind, ctx.names.get(id(unit), "?")
     amaxes, hows = [], set()
@@ -392,7 +422,7 @@ def _gptq(ctx: _Context, unit, st: _Stats) -> None:
                 ctx.fell_back.append(f"  {label}: received no tokens during calibration (its Hessian is empty)")
             else:
                 try:
-                    qw, amax, how = gptq_quantize(w, st.hessian(e), q, ctx.plan.gptq, name=label)
+                    qw, amax, how = gptq_quantize(w, st.hessian(e), q, ctx.plan.gptq, name=label, tensor_amax=held_amax)
                 except ValueError as err:
                     qw, amax, how = _round_to_nearest(w, q), (_rtn_amax(w.float(), q) if kind else None), "rtn"
                     ctx.fell_back.append(f"  {label}: {err}")

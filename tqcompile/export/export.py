@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.calibration.modules import canonical_modules
+from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.names import Placement, is_hf_model, placements
@@ -25,20 +25,6 @@ from tqcompile.quantizers import NVFP4Quantizer
 __all__ = ["export", "ExportReport", "ExportRow", "ExportWarning", "FORMATS"]
 
 FORMATS = {"compressed-tensors": ct, "modelopt": mo}
-# Weights an engine fuses into one GEMM (vLLM's packed modules): an NVFP4 global scale is shared
-# across them, so each is exported with the max of their amaxes.
-# (The families of vLLM's `packed_modules_mapping`: Llama-style, DeepSeek MLA, BERT, torchtitan.)
-FUSED_SIBLINGS = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("w1", "w3"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-    ("query", "key", "value"),
-    ("wq", "wk", "wv"),
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class ExportRow:
     """One exported layer: its name in the model, the scheme written and where its scales came from."""
