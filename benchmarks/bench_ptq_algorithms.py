@@ -287,7 +287,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llmc-python", default=None, help="the python of a venv with llmcompressor 0.14 (none: tq columns only)")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tq_bench_ptq"), help="cache of the trained model and checkpoints")
-    p.add_argument("--steps", type=int, default=400, help="training steps (batch 8 x 256 tokens)")
+    p.add_argument("--steps", type=int, default=1600, help="training steps (batch 8 x 256 tokens)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run (default: torch's)")
     p.add_argument("--calib", default="64x256", help="calibration rows x tokens")
