@@ -260,7 +260,7 @@ def _cell_ppl(r: dict | None) -> str:
         return "n/a"
     if "error" in r:
         return f"error: {r['error']}"
-    return f"{r['ppl']:.4f} ({r['kl'] * 1e3:.2f})"
+    return f"{r['ppl']:.4f} ({r['kl'] * 1e3:.3g})"
 
 
 def _cell_cost(r: dict | None) -> str:
