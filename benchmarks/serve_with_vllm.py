@@ -294,6 +294,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--only", default=None, help="comma-separated substrings: run only the formats whose name has one")
     p.add_argument("--skip-refused", action="store_true", help="skip the formats vLLM's CPU build is known to refuse")
+    p.add_argument(
+        "--algorithm",
+        default="max",
+        help="tq.calibrate's algorithm, a comma-separated sequence for a combination (e.g. smoothquant,gptq or awq)",
+    )
     args = p.parse_args()
 
     out = Path(args.out or tempfile.mkdtemp(prefix="tq_vllm_"))
@@ -324,7 +329,8 @@ def main() -> None:
             if make_config is None:
                 model.save_pretrained(model_dir)
             else:
-                tq.calibrate(model, make_config(), lambda m: [m(input_ids=b) for b in batches], progress=False)
+                algorithm = tuple(args.algorithm.split(",")) if "," in args.algorithm else args.algorithm
+                tq.calibrate(model, make_config(), lambda m: [m(input_ids=b) for b in batches], algorithm=algorithm, progress=False)
                 tq.export(model, model_dir, format=fmt, dtype=torch.bfloat16, overwrite=True)
         except Exception as e:  # noqa: BLE001 - an example reports what failed and goes on to the next format
             rows.append((name, f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", "", "", ""))
@@ -350,7 +356,8 @@ def main() -> None:
         print(f"  {rows[-1]}", flush=True)
 
     header = ("format", "vLLM loads", "greedy tokens equal", "max |Δ logprob|", "vLLM startup s")
-    print("\n| " + " | ".join(header) + " |")
+    print(f"\ncalibration algorithm: {args.algorithm}")
+    print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
         print("| " + " | ".join(r) + " |")

@@ -287,7 +287,8 @@ _CASES = {
         lambda: _gemm_config(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE)),
     ),
     "gptq-fp8-channel": ("gptq", lambda: _gemm_config(Float8Quantizer(granularity=Granularity.ROWWISE))),
-    "smoothquant-fp8": ("smoothquant", tq.configs.fp8),
+    "smoothquant-gptq-fp8": (("smoothquant", "gptq"), tq.configs.fp8),
+    "smoothquant-int8": ("smoothquant", tq.configs.int8),
     "gptq-mxfp8": ("gptq", tq.configs.mxfp8),
     "gptq-nvfp4": ("gptq", tq.configs.nvfp4),  # q/k/v and gate/up rounded under their shared global scale
     "awq-int4g32": ("awq", lambda: tq.configs.int4_weight_only(32)),

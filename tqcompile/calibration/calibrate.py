@@ -3,10 +3,12 @@
 Order of work, so that a failure leaves the model exactly as it was:
 
 1. plan: match the config against every module (nothing is changed yet; bad configs raise here);
-2. convert the planned modules and run ``forward_loop(model)`` with the quantizers recording
+2. convert the planned modules; with a weight transform (GPTQ, AWQ, SmoothQuant), run it first
+   (`tqcompile.calibration.transforms`: one pass of ``forward_loop`` per decoder layer, then the
+   layer's weights are transformed and rounded); then run ``forward_loop(model)`` with the quantizers recording
    statistics (the model computes in high precision while calibrating, so every layer sees the
    float model's activations); if anything raises, the conversion is undone and the model's
-   buffers (e.g. BatchNorm running statistics) are put back;
+   buffers (e.g. BatchNorm running statistics) and any weight a transform changed are put back;
 3. turn the statistics into amaxes (the algorithm), compute weight amaxes from the weights, and
    MAX-reduce all of them over the given process groups, once, in one collective per group.
 
