@@ -1,7 +1,7 @@
 """Perplexity of PTQ algorithms, tq against llmcompressor 0.14 on the same model and calibration data.
 
     PYTHONPATH=. python benchmarks/bench_ptq_algorithms.py --llmc-python /path/to/llmc/bin/python [--json out.json]
-    PYTHONPATH=. python benchmarks/bench_ptq_algorithms.py --llmc-python ... --quick    # smoke check, < 2 min
+    PYTHONPATH=. python benchmarks/bench_ptq_algorithms.py --llmc-python ... --quick    # smoke check: 4 rows, small model
 
 llmcompressor 0.14 needs transformers <= 5.17, so it runs in its own environment (as in
 tests/data/llmcompressor/make_fixtures.py):
