@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling benchmark scripts, imported for their helpers
 
 from bench_export_memory import in_fresh_process  # noqa: E402
-from ptq_eval import peak_rss_mib, scores, windows  # noqa: E402
+from ptq_eval import paired_difference, peak_rss_mib, scores, windows  # noqa: E402
 from serve_with_vllm import _config, text_bytes  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
@@ -73,7 +73,9 @@ FOOTNOTE = (
     "activation order (actorder='static'), tq's GPTQ() act_order=False; llmcompressor's AWQ has no weight-"
     "clipping search, tq's AWQ() clips (clip=True). Times are each run's calibration wall seconds (tq.calibrate; "
     "llmcompressor's oneshot); peak RSS is the run's process high-water mark right after it (imports and the "
-    "fp32 model included; in brackets the mark before calibrating)."
+    "fp32 model included; in brackets the mark before calibrating). 'tq − llmc': tq's log perplexity minus "
+    "llmcompressor's (negative: tq lower), ± its standard error paired over the held-out windows (adjacent "
+    "windows of one text are not independent, so read it as a rough scale)."
 )
 
 
@@ -269,15 +271,24 @@ def _cell_cost(r: dict | None) -> str:
     return f"{r['seconds']:.1f} s, {r['peak_rss_mib']:.0f} ({r['rss_before_mib']:.0f}) MiB"
 
 
+def _cell_difference(a: dict | None, b: dict | None) -> str:
+    """tq's log-perplexity minus llmcompressor's, ± its paired standard error, 10⁻³ nats."""
+    if a is None or b is None or "row_nll" not in a or "row_nll" not in b:
+        return ""
+    mean, se = paired_difference(a["row_nll"], b["row_nll"])
+    return f"{mean * 1e3:+.2f} ± {se * 1e3:.2f}"
+
+
 def print_table(title: str, float_ppl: float, rows: list[dict]) -> None:
     print(f"\n**{title}**: perplexity (KL from float, 10⁻³ nats)\n")
-    print("| method | tq | llmcompressor | llmc ckpt in tq | tq time, peak RSS | llmc time, peak RSS |")
-    print("|---|---|---|---|---|---|")
-    print(f"| float | {float_ppl:.4f} | {float_ppl:.4f} | | | |")
+    print("| method | tq | llmcompressor | tq − llmc, log ppl (10⁻³) | llmc ckpt in tq | tq time, peak RSS | llmc time, peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| float | {float_ppl:.4f} | {float_ppl:.4f} | | | | |")
     for row in rows:
-        llmc = row["llmc"]
+        tq_r, llmc = row["tq"], row["llmc"]
         in_tq = "" if llmc is None else _cell_ppl(llmc["in_tq"]) if "in_tq" in llmc else llmc.get("in_tq_error", "")
-        print(f"| {row['label']} | {_cell_ppl(row['tq'])} | {_cell_ppl(llmc)} | {in_tq} | {_cell_cost(row['tq'])} | {_cell_cost(llmc)} |")
+        print(f"| {row['label']} | {_cell_ppl(tq_r)} | {_cell_ppl(llmc)} | {_cell_difference(tq_r, llmc)} | {in_tq} | "
+              f"{_cell_cost(tq_r)} | {_cell_cost(llmc)} |")
     for row in rows:
         if row["tq"] is not None and "na" in row["tq"]:
             print(f"\nn/a: tq {row['label']}: {row['tq']['na']}")
