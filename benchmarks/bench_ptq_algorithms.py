@@ -59,7 +59,7 @@ from ptq_eval import paired_difference, peak_rss_mib, scores, windows  # noqa: E
 from serve_with_vllm import _config, text_bytes  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
-from tqcompile.calibration.algorithms import GPTQ  # noqa: E402
+from tqcompile.calibration.algorithms import AWQ, GPTQ  # noqa: E402
 from tqcompile.formats import Format  # noqa: E402
 from tqcompile.quantizers import Granularity, IntQuantizer  # noqa: E402
 
@@ -70,8 +70,8 @@ FOOTNOTE = (
     "amax (7.5 vs 7 steps: the INT4 rows favour it), and 'llmc ckpt in tq' (tq.load_exported, which computes "
     "the codes -8/-128 as -7/-127) is not llmcompressor's own number: the llmc column is, computed by "
     "compressed-tensors in llmcompressor's environment. Defaults as shipped: llmcompressor's GPTQ uses static "
-    "activation order (actorder='static'), tq's GPTQ() act_order=False; llmcompressor's AWQ has no weight-"
-    "clipping search, tq's AWQ() clips (clip=True). Times are each run's calibration wall seconds (tq.calibrate; "
+    "activation order (actorder='static'), as tq's GPTQ() (act_order=True); llmcompressor's AWQ has no weight-"
+    "clipping search, tq's AWQ() clips (clip=True; the clip=False row is like for like). Times are each run's calibration wall seconds (tq.calibrate; "
     "llmcompressor's oneshot); peak RSS is the run's process high-water mark right after it (imports and the "
     "fp32 model included; in brackets the mark before calibrating). 'tq − llmc': tq's log perplexity minus "
     "llmcompressor's (negative: tq lower), ± its standard error paired over the held-out windows (adjacent "
@@ -168,9 +168,11 @@ def unigram_perplexity(train_ids: torch.Tensor, rows: torch.Tensor) -> float:
 INT4_ROWS = (
     ("RTN (tq `max`; llmc QuantizationModifier)", "max", "rtn"),
     ("GPTQ", "gptq", "gptq"),
-    # llmcompressor's GPTQ orders columns by the Hessian's diagonal by default ("static"); tq's default does not.
-    ("GPTQ, act_order=True (tq only)", GPTQ(act_order=True), None),
+    # Both GPTQs order columns by the Hessian's diagonal by default (llmcompressor "static", tq act_order=True).
+    ("GPTQ, act_order=False (tq only)", GPTQ(act_order=False), None),
     ("AWQ", "awq", "awq"),
+    # llmcompressor's AWQ has no clipping search: tq's without it, like for like.
+    ("AWQ, clip=False (tq only)", AWQ(clip=False), None),
 )
 W8A8_ROWS = (
     ("naive (tq `max`; llmc QuantizationModifier W8A8)", "max", "w8a8"),

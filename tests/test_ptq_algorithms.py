@@ -254,7 +254,7 @@ def test_smoothquant_then_gptq_runs_in_that_order():
     _calibrate(model, tq.configs.int8(), ("smoothquant", "gptq"))
     assert set(_methods(model).values()) == {"smoothquant+gptq"}
     rec = tq.quant_state(model)["algorithm"]
-    assert rec == "SmoothQuant(alpha=0.5) + GPTQ(block_size=128, dampening=0.01, act_order=False) + max"
+    assert rec == "SmoothQuant(alpha=0.5) + GPTQ(block_size=128, dampening=0.01, act_order=True) + max"
 
 
 def test_sequential_and_single_pass_both_work():

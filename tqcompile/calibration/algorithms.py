@@ -58,7 +58,7 @@ class GPTQ:
 
     block_size: int = 128
     dampening: float = 0.01
-    act_order: bool = False
+    act_order: bool = True
 
     def __post_init__(self) -> None:
         _check_int("GPTQ", "block_size", self.block_size, 1)
