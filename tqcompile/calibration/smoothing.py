@@ -99,8 +99,8 @@ def _find_folds(ctx: Context, members: list, recorder: FoldRecorder) -> tuple[li
     rank of each group decides, and the others take its folds by name (the same number of
     collectives on every rank)."""
     reason = _cannot_prove(ctx)
-    if reason is not None:
-        return [], [(u, reason) for u in members]
+    if not _agree(ctx, reason is None):  # every rank skips together, or the broadcast below would wait forever
+        return [], [(u, reason or "another rank of amax_groups could not prove folds on its first batch") for u in members]
     run = _runner(ctx)
     with torch.no_grad():
         baseline = outputs(run())
