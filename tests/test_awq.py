@@ -15,7 +15,8 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.calibration import fake_quantize
 from tqcompile.calibration.algorithms import AWQ
-from tqcompile.calibration.awq import _rtn, awq_clip, awq_scales, awq_search
+from tqcompile.calibration.awq import awq_clip, awq_scales, awq_search
+from tqcompile.calibration.fake_quant import round_to_nearest
 from tqcompile.calibration.gptq import hessian
 from tqcompile.formats import Format
 from tqcompile.kernels import reference
@@ -58,7 +59,7 @@ def _err(w: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> float:
 
 def _awq_weight(w: torch.Tensor, q, s: torch.Tensor) -> torch.Tensor:
     """What the model computes with after folding s: RTN(W diag(s)), the input divided by s."""
-    return _rtn(w * s, q) / s
+    return round_to_nearest(w * s, q) / s
 
 
 @pytest.mark.parametrize("name, bound", [("int4_g128", 0.6), ("int4_g32", 0.6), ("nvfp4", 0.6)])
@@ -67,7 +68,7 @@ def test_awq_beats_round_to_nearest_on_salient_channels(name, bound):
     x, w = _salient(0)
     s = awq_scales([w], [q], hessian(x), x.abs().mean(0))
     assert bool(torch.isfinite(s).all()) and bool((s > 0).all()) and s.dtype == torch.float32
-    assert _err(w, _awq_weight(w, q, s), x) < bound * _err(w, _rtn(w, q), x)
+    assert _err(w, _awq_weight(w, q, s), x) < bound * _err(w, round_to_nearest(w, q), x)
 
 
 def test_awq_scales_shared_by_layers_that_read_one_input():
@@ -76,7 +77,7 @@ def test_awq_scales_shared_by_layers_that_read_one_input():
     qs = [INT4_G32, NVFP4Quantizer()]
     res = awq_search([w, w2], qs, hessian(x), x.abs().mean(0))
     total = sum(_err(wi, _awq_weight(wi, qi, res.scales), x) for wi, qi in zip((w, w2), qs))
-    rtn = sum(_err(wi, _rtn(wi, qi), x) for wi, qi in zip((w, w2), qs))
+    rtn = sum(_err(wi, round_to_nearest(wi, qi), x) for wi, qi in zip((w, w2), qs))
     assert res.ratio is not None and total < 0.6 * rtn
 
 
@@ -103,7 +104,7 @@ def test_search_losses_are_the_output_errors_and_never_above_identity(seed, name
     n = x.shape[0]
     # tr(D H D^T) with H = 2 X^T X / n is 2/n times the summed squared output error.
     assert res.loss == pytest.approx(2 / n * _err(w, _awq_weight(w, q, res.scales), x), rel=1e-4)
-    assert res.identity_loss == pytest.approx(2 / n * _err(w, _rtn(w, q), x), rel=1e-4)
+    assert res.identity_loss == pytest.approx(2 / n * _err(w, round_to_nearest(w, q), x), rel=1e-4)
     assert res.loss <= res.identity_loss
     if res.ratio is None:
         assert torch.equal(res.scales, torch.ones(256))
@@ -119,7 +120,7 @@ def _on_grid(q, g: torch.Generator) -> torch.Tensor:
         w = (100 * torch.randn(128, 256, generator=g)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
         w[:, 0] = 448.0
         return w * 2.0**-10
-    return _rtn(0.02 * torch.randn(128, 256, generator=g), q)  # NVFP4 round to nearest is idempotent
+    return round_to_nearest(0.02 * torch.randn(128, 256, generator=g), q)  # NVFP4 round to nearest is idempotent
 
 
 def test_identity_wins_when_the_weight_is_already_on_the_grid():
@@ -128,7 +129,7 @@ def test_identity_wins_when_the_weight_is_already_on_the_grid():
     x, _ = _salient(2)
     for q in (INT4_G32, QUANTIZERS["fp8_channel"], NVFP4Quantizer()):
         on_grid = _on_grid(q, torch.Generator().manual_seed(2))
-        assert torch.equal(_rtn(on_grid, q), on_grid)
+        assert torch.equal(round_to_nearest(on_grid, q), on_grid)
         res = awq_search([on_grid], [q], hessian(x), x.abs().mean(0))
         assert res.ratio is None and res.loss == 0.0 and torch.equal(res.scales, torch.ones(256))
 
@@ -138,7 +139,7 @@ def test_round_to_nearest_is_what_tq_calibrate_computes():
     model = nn.Sequential(nn.Linear(256, 64))
     tq.calibrate(model, tq.configs.int4_weight_only(block_size=32), lambda m: m(torch.randn(4, 256)), progress=False)
     lin = model[0]
-    assert torch.equal(lin.weight_quantizer(lin.weight), _rtn(lin.weight.detach(), INT4_G32))
+    assert torch.equal(lin.weight_quantizer(lin.weight), round_to_nearest(lin.weight.detach(), INT4_G32))
 
 
 def test_dead_channels_and_zero_statistics_give_finite_scales():
@@ -190,7 +191,7 @@ def test_clip_never_increases_the_output_error(seed, name, boost):
     q = QUANTIZERS[name]
     x, w = _salient(seed, boost=boost)
     clipped = awq_clip(w, q, hessian(x), AWQ(clip_grid=8))
-    assert _err(w, _rtn(clipped, q), x) <= _err(w, _rtn(w, q), x) * (1 + 1e-6)
+    assert _err(w, round_to_nearest(clipped, q), x) <= _err(w, round_to_nearest(w, q), x) * (1 + 1e-6)
     assert bool((clipped.abs() <= w.abs()).all())  # only ever shrinks
 
 
@@ -202,7 +203,7 @@ def test_clip_lowers_the_error_after_awq(name):
     s = awq_scales([w], [q], h, x.abs().mean(0))
     scaled_h = h / (s[:, None] * s[None, :]).double()  # the Hessian of the inputs divided by s
     clipped = awq_clip(w * s, q, scaled_h)
-    assert _err(w, _rtn(clipped, q) / s, x) < 0.95 * _err(w, _awq_weight(w, q, s), x)
+    assert _err(w, round_to_nearest(clipped, q) / s, x) < 0.95 * _err(w, _awq_weight(w, q, s), x)
 
 
 def test_bf16_weights_are_rounded_as_the_model_stores_them():
@@ -210,11 +211,11 @@ def test_bf16_weights_are_rounded_as_the_model_stores_them():
     wb = w.bfloat16()
     clipped = awq_clip(wb, INT4_G32, hessian(x))
     assert clipped.dtype == torch.bfloat16 and not torch.equal(clipped, wb)
-    assert _err(wb.float(), _rtn(clipped, INT4_G32).float(), x) <= _err(wb.float(), _rtn(wb, INT4_G32).float(), x)
+    assert _err(wb.float(), round_to_nearest(clipped, INT4_G32).float(), x) <= _err(wb.float(), round_to_nearest(wb, INT4_G32).float(), x)
     # The search rounds the folded weight to the model's dtype before quantizing it, as the model will.
     res = awq_search([wb], [INT4_G32], hessian(x), x.abs().mean(0))
     folded = (wb.float() * res.scales).bfloat16().float()
-    want = 2 / x.shape[0] * _err(wb.float(), _rtn(folded, INT4_G32) / res.scales, x)
+    want = 2 / x.shape[0] * _err(wb.float(), round_to_nearest(folded, INT4_G32) / res.scales, x)
     assert res.scales.dtype == torch.float32 and res.loss == pytest.approx(want, rel=1e-4)
 
 
@@ -237,7 +238,7 @@ def test_clamping_equals_quantizing_with_the_clipped_amax_int_fp8(name):
     bound = 0.7 * unit_amax(w, q)
     clamped = _clamp_units(w, q, bound)
     assert torch.equal(unit_amax(clamped, q), bound)  # `max` calibration finds exactly the clipped amax
-    assert torch.equal(_rtn(clamped, q), fake_quantize(w, q, amax=bound))
+    assert torch.equal(round_to_nearest(clamped, q), fake_quantize(w, q, amax=bound))
 
 
 @pytest.mark.parametrize("block_2d", [False, True])
@@ -258,7 +259,7 @@ def test_clamping_equals_the_clipped_block_scales_nvfp4(block_2d):
     if block_2d:
         s_blk = s_blk.repeat_interleave(16, -2)
     expected = e2m1_decode(e2m1_encode(w * s_enc / s_blk)) * (s_blk / s_enc)
-    assert torch.equal(_rtn(clamped, q), expected)
+    assert torch.equal(round_to_nearest(clamped, q), expected)
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "mxfp4_rceil"])

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from tqcompile.calibration.algorithms import AWQ
-from tqcompile.calibration.fake_quant import fake_quantize, static_weight_amax
+from tqcompile.calibration.fake_quant import round_to_nearest
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
 __all__: list[str] = []  # used by tq.calibrate once it offers algorithm="awq"; nothing public yet
@@ -111,12 +111,6 @@ def _unit_view(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
     if gran is Granularity.BLOCKWISE_1D:
         return w.reshape(out_f, 1, in_f // block, block)
     return w.reshape(out_f // block, block, in_f // block, block)
-
-
-def _rtn(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """Round to nearest with the amaxes `max` calibration gives `w` (tensor-level, per unit, or
-    none for MX, whose block scales come from the data)."""
-    return fake_quantize(w, q, amax=static_weight_amax(w, q))
 
 
 def _output_error(d: torch.Tensor, h32: torch.Tensor) -> float:
@@ -204,7 +198,7 @@ def awq_search(
                 if q is None:
                     continue
                 scaled = (wf * s).to(w.dtype).float()  # the model's weight after folding, in its dtype
-                loss += _output_error(wf - _rtn(scaled, q) / s, h32)
+                loss += _output_error(wf - round_to_nearest(scaled, q) / s, h32)
             if best is None:
                 best = identity = AWQSearch(s, None, loss, loss)
             elif loss < best.loss:
@@ -263,13 +257,13 @@ def awq_clip(weight: torch.Tensor, quantizer: Quantizer | None, h: torch.Tensor,
             # The bound in the weight's dtype, so the clamped weight is exactly representable in it.
             bound = torch.where(keep, amax, (amax * (1 - config.max_shrink * i / config.clip_grid)).to(weight.dtype).float())
             clamped = torch.minimum(torch.maximum(view, -bound), bound).reshape(w.shape)
-            err = _unit_errors(w - _rtn(clamped, quantizer), h_blocks, view.shape).reshape(amax.shape)
+            err = _unit_errors(w - round_to_nearest(clamped, quantizer), h_blocks, view.shape).reshape(amax.shape)
             if best_err is None:
                 best_err = err
             else:
                 better = err < best_err
                 best_bound, best_err = torch.where(better, bound, best_bound), torch.where(better, err, best_err)
         clipped = torch.minimum(torch.maximum(view, -best_bound), best_bound).reshape(w.shape)
-        if _output_error(w - _rtn(clipped, quantizer), h32) > _output_error(w - _rtn(w, quantizer), h32):
+        if _output_error(w - round_to_nearest(clipped, quantizer), h32) > _output_error(w - round_to_nearest(w, quantizer), h32):
             return weight.detach().clone()
         return clipped.to(weight.dtype)

@@ -36,7 +36,7 @@ from tqcompile.api import quantize
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.quantizers import Granularity, MXQuantizer, Quantizer
 
-__all__ = ["fake_quantize", "fake_quantize_grouped", "TensorQuantizer", "static_amax_kind", "static_weight_amax"]
+__all__ = ["fake_quantize", "fake_quantize_grouped", "TensorQuantizer", "static_amax_kind", "static_weight_amax", "round_to_nearest"]
 
 
 def static_amax_kind(q: Quantizer | None, role: str) -> str | None:
@@ -58,6 +58,11 @@ def static_weight_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor | None:
     if kind is None:
         return None
     return tensor_amax(w, q) if kind == "tensor" else unit_amax(w, q)
+
+
+def round_to_nearest(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    """What `max` calibration makes of the weight `w`: fake-quantized with `static_weight_amax`."""
+    return fake_quantize(w, q, amax=static_weight_amax(w, q))
 
 
 def _expand_amax(amax: torch.Tensor, shape: torch.Size, q: Quantizer) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tqcompile.calibration.algorithms import AWQ, AlgorithmPlan
-from tqcompile.calibration.fake_quant import fake_quantize, static_weight_amax
+from tqcompile.calibration.fake_quant import round_to_nearest, static_weight_amax
 from tqcompile.calibration.folds import FoldRecorder
 from tqcompile.calibration.gptq import gptq_quantize
 from tqcompile.calibration.layer_stats import (
@@ -43,7 +43,7 @@ from tqcompile.calibration.layer_stats import (
 from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules, kind_of, module_device
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.calibration.smoothing import smooth
-from tqcompile.quantizers import NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import NVFP4Quantizer
 
 __all__ = ["run_transforms", "sequential_groups"]
 
@@ -176,15 +176,16 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
     with torch.no_grad():
         for e, w in per_expert(unit):
             label = f"{name} expert {e}" if weight_of(unit).dim() == 3 else name
-            if st.n[e] == 0:
-                qw, amax, how = _round_to_nearest(w, q), static_weight_amax(w.float(), q), "rtn"
-                ctx.fell_back.append(f"  {label}: received no tokens during calibration (its Hessian is empty)")
-            else:
+            why = "received no tokens during calibration (its Hessian is empty)" if st.n[e] == 0 else None
+            if why is None:
                 try:
                     qw, amax, how = gptq_quantize(w, st.hessian(e), q, ctx.plan.gptq, name=label, tensor_amax=held_amax)
                 except ValueError as err:
-                    qw, amax, how = _round_to_nearest(w, q), static_weight_amax(w.float(), q), "rtn"
-                    ctx.fell_back.append(f"  {label}: {err}")
+                    why = str(err)
+            if why is not None:
+                wf = w.detach().float()
+                qw, amax, how = round_to_nearest(wf, q), static_weight_amax(wf, q), "rtn"
+                ctx.fell_back.append(f"  {label}: {why}")
             ctx.undo.save(w)
             w.copy_(qw.to(w.dtype))
             amaxes.append(amax)
@@ -197,9 +198,3 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
         ctx.amaxes[id(unit)] = stacked.reshape(-1, 1, 1) if kind == "tensor" else stacked
     else:
         ctx.amaxes[id(unit)] = amaxes[0]
-
-
-def _round_to_nearest(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """What `max` calibration would make of `w`."""
-    wf = w.detach().float()
-    return fake_quantize(wf, q, amax=static_weight_amax(wf, q))
