@@ -86,13 +86,29 @@ def _export_fsdp(rank, mesh, out_dir) -> dict:
     fully_shard(sharded, mesh=mesh)
     report = tq.export(sharded, f"{out_dir}/fsdp", dtype=torch.bfloat16, max_shard_size="200KB")
     out = {
-        "returned": None if report is None else len(report.rows),
+        "returned": (len(report.rows), report.bytes_written, report.files),  # rank 0's report, on every rank
         "wrong_path": _error(lambda: tq.export(sharded, f"{out_dir}/r{rank}")),
         "not_empty": _error(lambda: tq.export(sharded, f"{out_dir}/fsdp")),  # rank 0's check, raised on every rank
     }
+    # Issue 25: a replicated (DDP) model exported by every rank to one directory is written once, by
+    # rank 0, and every rank gets its report (was: each rank wrote, one model.safetensors torn to 0 bytes).
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(single))
+    replicated = tq.export(ddp, f"{out_dir}/replicated", dtype=torch.bfloat16, max_shard_size="200KB")
+    out["replicated"] = (len(replicated.rows), replicated.bytes_written, replicated.files)
+    out["replicated_again"] = _error(lambda: tq.export(ddp, f"{out_dir}/replicated"))  # rank 0's refusal, on every rank
     if rank == 0:
-        tq.export(single, f"{out_dir}/single", dtype=torch.bfloat16, max_shard_size="200KB")
+        tq.export(single, f"{out_dir}/single", dtype=torch.bfloat16, max_shard_size="200KB", collective=False)
         out["fsdp"], out["single"] = digest(f"{out_dir}/fsdp"), digest(f"{out_dir}/single")
+        out["replicated_files"] = digest(f"{out_dir}/replicated")
+        # Called on rank 0 alone without collective=False: an error after the handshake's timeout, not
+        # a wait in a collective for the process group's (last: the handshake's rounds are now uneven).
+        from tqcompile.distributed import agreement
+
+        agreement.TIMEOUT_S, saved = 3.0, agreement.TIMEOUT_S
+        try:
+            out["alone"] = _error(lambda: tq.export(single, f"{out_dir}/alone"))
+        finally:
+            agreement.TIMEOUT_S = saved
     return out
 
 
@@ -185,12 +201,16 @@ def test_hf_llama_two_ranks(tmp_path):
         assert kind == "ValueError" and "rank 0 has ColwiseParallel(" in msg and "rank 1 has RowwiseParallel(" in msg, msg
         kind, msg = errors["tp_unconverted"]
         assert kind == "ValueError" and "rank 0 has 'mxfp8'" in msg and "rank 1 has not converted" in msg, msg
-        # Issue 17: a sharded model exports collectively; other ranks write nothing and return None.
+        # Issue 17: a sharded model exports collectively; rank 0 writes, every rank gets its report (issue 25).
         exp = ranks[rank]["export_fsdp"]
-        assert exp["returned"] == (7 * 2 if rank == 0 else None)
+        assert exp["returned"][0] == 7 * 2 and exp["returned"] == ranks[0]["export_fsdp"]["returned"]
         kind, msg = exp["wrong_path"]
-        assert kind == "ExportError" and "every rank must pass the same path" in msg, msg
+        assert kind == "ExportError" and "disagree on the collective export set-up (path: rank 0 has" in msg, msg
+        assert "call it on every rank with the same path" in msg, msg
         kind, msg = exp["not_empty"]
+        assert kind == "ExportError" and "exists and is not empty" in msg, msg
+        assert exp["replicated"] == ranks[0]["export_fsdp"]["replicated"] and exp["replicated"][0] == 7 * 2
+        kind, msg = exp["replicated_again"]
         assert kind == "ExportError" and "exists and is not empty" in msg, msg
         kind, msg = errors["fsdp_recipe"]
         assert kind == "ValueError" and "tq FSDP2 quantized all-gather: layer" in msg, msg
@@ -198,6 +218,10 @@ def test_hf_llama_two_ranks(tmp_path):
 
     exp = ranks[0]["export_fsdp"]
     assert len(exp["fsdp"]) > 3 and exp["fsdp"] == exp["single"]  # several shards + index + configs, byte for byte
+    assert exp["replicated_files"] == exp["single"]  # the DDP export: one checkpoint, whole
+    kind, msg = exp["alone"]
+    assert kind == "ExportError" and "rank(s) [1] did not reach the collective export set-up within 3 s" in msg, msg
+    assert "or pass collective=False where one process writes alone" in msg, msg
 
     # A rank that never converted: the converted one names the layer and the missing rank; the other
     # fails in FSDP2's all-gather as soon as its peer leaves (nothing waits for the process group timeout).

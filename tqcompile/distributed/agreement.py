@@ -53,12 +53,15 @@ def _store() -> dist.Store:
     return _get_default_store()
 
 
-def check_ranks_agree(group: dist.ProcessGroup, topic: str, what: str, facts: dict[str, str]) -> None:
+_ADVICE = "Every rank must convert the model with the same recipe, enable (or not) the quantized all-gather alike, and apply the same parallel plan"
+
+
+def check_ranks_agree(group: dist.ProcessGroup, topic: str, what: str, facts: dict[str, str], advice: str = _ADVICE) -> None:
     """Raise a ValueError on every rank of `group` unless all of them pass the same `facts`.
 
     `topic` names the kind of check (a key prefix, e.g. ``"FSDP2 all-gather"``), `what` the layer,
     and `facts` what must be equal (e.g. ``{"recipe": ..., "all-gather": ...}``); the message names
-    the facts that differ and both ranks' values. Called once per layer, at set-up or at its first
+    the facts that differ and both ranks' values, and ends with `advice`. Called once per layer, at set-up or at its first
     collective: it costs one store round trip per rank.
     """
     ranks = dist.get_process_group_ranks(group)
@@ -77,9 +80,8 @@ def check_ranks_agree(group: dist.ProcessGroup, topic: str, what: str, facts: di
         missing = [r for r, k in keys.items() if not store.check([k])]
         mine = "; ".join(f"{k}: {v}" for k, v in facts.items())
         raise ValueError(
-            f"{what}: rank(s) {missing} did not reach this layer's {topic} set-up within {timeout.total_seconds():.0f} s, "
-            f"while rank {me} did ({mine}). Every rank must convert the model with the same recipe, enable (or not) the "
-            "quantized all-gather alike, and apply the same parallel plan"
+            f"{what}: rank(s) {missing} did not reach the {topic} set-up within {timeout.total_seconds():.0f} s, "
+            f"while rank {me} did ({mine}). {advice}"
         ) from e
     for r, key in keys.items():
         theirs = json.loads(store.get(key).decode())
@@ -87,7 +89,4 @@ def check_ranks_agree(group: dist.ProcessGroup, topic: str, what: str, facts: di
             (a, fa), (b, fb) = sorted(((me, facts), (r, theirs)), key=lambda x: x[0])
             differ = [k for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)]
             said = ", ".join(f"{k}: rank {a} has {fa.get(k)}, rank {b} has {fb.get(k)}" for k in differ)
-            raise ValueError(
-                f"{what}: the ranks of the group disagree on this layer's {topic} set-up ({said}). Every rank must "
-                "convert the model with the same recipe and apply the same parallel plan"
-            )
+            raise ValueError(f"{what}: the ranks of the group disagree on the {topic} set-up ({said}). {advice}")

@@ -42,7 +42,7 @@ from tqcompile.kernels.reference import (
 )
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
 
-__all__ = ["LayerScheme", "DecodedLayer", "ct_scheme", "modelopt_scheme", "decode_layer", "amax_for_scale", "with_scale_rules"]
+__all__ = ["LayerScheme", "DecodedLayer", "ct_scheme", "modelopt_scheme", "check_layer", "decode_layer", "amax_for_scale", "with_scale_rules"]
 
 _ULPS = 8  # the amax search's reach either side of its estimate (tq's own scales need at most 3)
 # The fields of compressed-tensors' QuantizationArgs that decide the quantization (others, such as
@@ -293,49 +293,139 @@ def _mx_rceil(data: torch.Tensor, q: MXQuantizer) -> bool:
     return bool(((block_max > 0) & (block_max < 2.0**q.format.emax)).any())
 
 
-def decode_layer(prefix: str, scheme: LayerScheme, get: Callable[[str], torch.Tensor | None], modelopt: bool) -> DecodedLayer:
-    """Read the layer `prefix` of `scheme` (`get(local name)` returns its tensor, or None)."""
+_FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")  # compressed-tensors' "dense": a weight stored dequantized
+
+
+def _bad_values(t: torch.Tensor, zero_ok: bool) -> str | None:
+    """What is wrong with a tensor of scales, or None: NaN, infinities, negatives, zeros."""
+    v = t.float()
+    for what, mask in (("NaN", torch.isnan(v)), ("infinite", torch.isinf(v)), ("negative", v < 0), ("zero", None if zero_ok else v == 0)):
+        if mask is not None and bool(mask.any()):
+            first = tuple(int(i) for i in mask.nonzero()[0]) if v.dim() else ()
+            return f"{int(mask.sum())} {what} value(s) (the first at index {first}: {v[first].item()})"
+    return None
+
+
+def check_layer(prefix: str, scheme: LayerScheme, entry: Callable[[str], dict | None], get: Callable[[str], torch.Tensor | None], modelopt: bool) -> LayerScheme:
+    """Everything `decode_layer` needs of the layer `prefix`, checked before any tensor of a model
+    is written: the tensors the scheme needs are there, stored as it stores them, shaped as its
+    scales are for the weight's shape; every scale finite and positive (NVFP4 block scales may be
+    zero: an all-zero block); integer codes within the config's `num_bits`; and no scale the
+    scheme would drop (an input scale for dynamic or 16-bit activations). `entry(local)` gives a
+    tensor's header entry, `get(local)` the tensor (read here only for scales and, for integers of
+    fewer than 8 bits stored a byte each, the codes). Returns the scheme, with NVFP4 16x16 weight
+    tiles where the block scales show them. Raises `ExportError` naming the tensor."""
     q, where = scheme.weight_q, f"tq.load_exported: layer {prefix!r} ({scheme.text})"
-    zp = get("weight_zero_point")
-    if zp is not None and bool((zp != 0).any()):
+    if entry("weight_zero_point") is not None and bool((get("weight_zero_point") != 0).any()):
         raise ExportError(f"{where} holds non-zero weight_zero_point values (asymmetric); tq's quantizers are symmetric")
-    if get("weight_g_idx") is not None:
+    if entry("weight_g_idx") is not None:
         raise ExportError(f"{where} holds weight_g_idx (GPTQ activation ordering); tq loads groups in their natural order")
-    scale, packed, inexact, beyond = get("weight_scale"), get("weight_packed"), 0, 0
-    if scale is None:
+    if entry("weight_scale") is None:
         raise ExportError(f"{where} lacks its weight_scale")
-    data = get("weight") if packed is None else packed
+    local = "weight_packed" if entry("weight_packed") is not None else "weight"
+    data = entry(local)
     if data is None:
         raise ExportError(f"{where} lacks its weight (or weight_packed)")
+    stored, shape = data["dtype"], tuple(data["shape"])
+    if stored in _FLOAT_STORAGE:
+        pass
+    elif isinstance(q, IntQuantizer):
+        bits = q.format.bits
+        if stored == "I32":  # pack-quantized: 32 // bits codes a word
+            if entry("weight_shape") is None:
+                raise ExportError(f"{where}: its weight_packed has no weight_shape beside it")
+            logical = tuple(int(v) for v in get("weight_shape"))
+            words = -(-logical[-1] * bits // 32)
+            if bits not in (4, 8) or shape[-1] != words or shape[:-1] != logical[:-1]:
+                raise ExportError(
+                    f"{where}: {prefix}.weight_packed is {list(shape)} int32 words for a {list(logical)} weight; num_bits={bits} "
+                    f"packs it in {[*logical[:-1], words]}{'' if bits in (4, 8) else ' (tq loads 4 and 8 bits)'}: the config's "
+                    "num_bits contradicts the payload"
+                )
+            shape = logical
+        elif stored == "I8":
+            if bits < 8:  # codes stored a byte each: their range is what says how many bits they have
+                codes = get(local)
+                lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+                if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+                    raise ExportError(
+                        f"{where}: {prefix}.{local} holds codes from {int(codes.min())} to {int(codes.max())}, beyond num_bits={bits}'s "
+                        f"{lo}..{hi}: the config's num_bits contradicts the payload"
+                    )
+        else:
+            raise ExportError(f"{where}: its {local} is stored as {stored}; the scheme stores int8 (or int32 words, packed)")
+    else:
+        want = q.element_format().storage_dtype
+        from tqcompile.export.safetensors_io import _DTYPES
+
+        if stored != _DTYPES.get(want):
+            raise ExportError(f"{where}: its {local} is stored as {stored}; the scheme stores {_DTYPES.get(want, want)}")
+        shape = tuple(q.logical_shape(torch.Size(shape)))
+    err = q.shape_error(shape)
+    if err is not None:
+        raise ExportError(f"{where}: its {shape} weight does not fit tq's {q!r}: {err}")
+    scale = get("weight_scale")
+    want_scale = torch.Size(q.scale_shape(shape))
+    if isinstance(q, NVFP4Quantizer) and scale.numel() == want_scale.numel() and _nvfp4_block_2d(scale.reshape(want_scale)):
+        q = dataclasses.replace(q, block_2d=True)
+        scheme = dataclasses.replace(scheme, weight_q=q)
+    if scale.numel() != want_scale.numel():
+        raise ExportError(
+            f"{where}: {prefix}.weight_scale has shape {list(scale.shape)}; a {list(shape)} weight quantized as the config says "
+            f"({scheme.text}) has {list(want_scale)} scales: the config's strategy or group size contradicts the tensors"
+        )
+    if isinstance(q, MXQuantizer):
+        nan = scale.view(torch.uint8) == 0xFF
+        problem = f"{int(nan.sum())} NaN E8M0 exponent(s) (0xFF)" if bool(nan.any()) else None
+    else:
+        problem = _bad_values(scale, zero_ok=isinstance(q, NVFP4Quantizer))
+    if problem:
+        raise ExportError(f"{where}: {prefix}.weight_scale holds {problem}; a scale must be finite and positive: the checkpoint is corrupt")
+    names = ["weight_scale_2" if modelopt else "weight_global_scale"] if isinstance(q, NVFP4Quantizer) else []
+    iq = scheme.input_q
+    input_name = "input_global_scale" if isinstance(iq, NVFP4Quantizer) and not modelopt else "input_scale"
+    if iq is not None and scheme.static_input:
+        names.append(input_name)
+    for name in names:
+        if entry(name) is None:
+            raise ExportError(f"{where} lacks its {name}")
+        t = get(name)
+        problem = _bad_values(t, zero_ok=False) or (None if t.numel() == 1 else f"{t.numel()} values where the scheme has one")
+        if problem:
+            raise ExportError(f"{where}: {prefix}.{name} holds {problem}; it must be one finite, positive scale: the checkpoint is corrupt")
+    for name in ("input_scale", "input_global_scale"):
+        if name not in names and entry(name) is not None:
+            kind = "16-bit" if iq is None else "dynamic (a scale from each input)"
+            raise ExportError(
+                f"{where}: {prefix}.{name} is in the checkpoint but the config says its inputs are {kind}, so the scale would be "
+                "dropped: the config and the tensors disagree (a static input scheme names it, as dynamic: false)"
+            )
+    return scheme
+
+
+def decode_layer(prefix: str, scheme: LayerScheme, get: Callable[[str], torch.Tensor | None], modelopt: bool) -> DecodedLayer:
+    """Read the layer `prefix` of `scheme` (`get(local name)` returns its tensor, or None), which
+    `check_layer` has checked (and given its NVFP4 tile layout)."""
+    q = scheme.weight_q
+    scale, packed, inexact, beyond = get("weight_scale"), get("weight_packed"), 0, 0
+    data = get("weight") if packed is None else packed
     dense = data.is_floating_point() and data.dtype != torch.float8_e4m3fn  # compressed-tensors' "dense": stored dequantized
     if dense:
         shape = tuple(data.shape)
     elif isinstance(q, IntQuantizer):
         if data.dtype == torch.int32:  # pack-quantized
             cols = get("weight_shape")
-            data = _unpack_int32(data, q.format.bits, int(cols[-1]) if cols is not None else data.shape[-1] * 32 // q.format.bits)
+            data = _unpack_int32(data, q.format.bits, int(cols[-1]))
         shape = tuple(data.shape)
-        if data.dtype == torch.int8:
-            beyond = int((data.to(torch.int16).abs() > q.format.max_value).sum())
-            data = _int_payload(data, q)
+        beyond = int((data.to(torch.int16).abs() > q.format.max_value).sum())
+        data = _int_payload(data, q)
     else:
         shape = q.logical_shape(data.shape)
-    want = q.element_format().storage_dtype
-    if not dense and data.dtype != want:
-        raise ExportError(f"{where}: its weight is stored as {data.dtype}; the scheme stores {want}")
-    err = q.shape_error(shape)
-    if err is not None:
-        raise ExportError(f"{where}: its {tuple(shape)} weight does not fit tq's {q!r}: {err}")
     weight_amax, rceil, pow2 = None, False, None
     if isinstance(q, NVFP4Quantizer):
-        global_name = "weight_scale_2" if modelopt else "weight_global_scale"
-        g = get(global_name)
-        if g is None:
-            raise ExportError(f"{where} lacks its {global_name}")
-        weight_amax, inexact = _nvfp4_amax(g, q, reciprocal=modelopt)
-        if _nvfp4_block_2d(scale):
-            q, scale = dataclasses.replace(q, block_2d=True), scale[::16]
-            scheme = dataclasses.replace(scheme, weight_q=q)
+        weight_amax, inexact = _nvfp4_amax(get("weight_scale_2" if modelopt else "weight_global_scale"), q, reciprocal=modelopt)
+        if q.block_2d:  # written as 1x16 blocks, one row of scales a 16-row tile
+            scale = scale[::16]
         w = ops.dequantize(data, scale.to(torch.float8_e4m3fn).contiguous(), weight_amax, q, torch.float32)
     elif isinstance(q, MXQuantizer):
         rceil = _mx_rceil(data, q)
@@ -349,18 +439,15 @@ def decode_layer(prefix: str, scheme: LayerScheme, get: Callable[[str], torch.Te
             w = data.float()
         else:
             w = ops.dequantize(data, scale_inv.contiguous(), None, q, torch.float32)
-    input_amax, more = _input_amax(scheme, get, modelopt, where)
+    input_amax, more = _input_amax(scheme, get, modelopt)
     return DecodedLayer(scheme, w, weight_amax, input_amax, inexact + more, beyond, rceil, pow2)
 
 
-def _input_amax(scheme: LayerScheme, get, modelopt: bool, where: str) -> tuple[torch.Tensor | None, int]:
+def _input_amax(scheme: LayerScheme, get, modelopt: bool) -> tuple[torch.Tensor | None, int]:
     iq = scheme.input_q
     if iq is None or not scheme.static_input:
         return None, 0
-    name = "input_global_scale" if isinstance(iq, NVFP4Quantizer) and not modelopt else "input_scale"
-    s = get(name)
-    if s is None:
-        raise ExportError(f"{where} has a static input scale in its scheme but no {name}")
+    s = get("input_global_scale" if isinstance(iq, NVFP4Quantizer) and not modelopt else "input_scale")
     if isinstance(iq, NVFP4Quantizer):
         return _nvfp4_amax(s, iq, reciprocal=modelopt)
     amax, bad = _scaled_amax(s.reshape(()), iq)

@@ -16,8 +16,9 @@ from torch import nn
 from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
+from tqcompile.export.files import Destination
 from tqcompile.export.names import Placement, is_hf_model, placements
-from tqcompile.export.safetensors_io import SPOOL_PREFIX, ShardedWriter, parse_size
+from tqcompile.export.safetensors_io import ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit, weight_tensor_amax
 from tqcompile.nn.histories import HISTORY_PREFIX
 from tqcompile.quantizers import NVFP4Quantizer
@@ -55,33 +56,8 @@ class ExportReport:
         return "\n".join(lines)
 
 
-def _check_path(path: str, overwrite: bool) -> None:
-    """Refuse a path that holds something else, and create the directory. A previous checkpoint
-    there (with `overwrite`) is removed only when the new one is complete (`_clear_previous`)."""
-    if os.path.isfile(path):
-        raise ExportError(f"tq.export: path {path!r} is a file; pass a directory (it is created if missing)")
-    if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise ExportError(
-            f"tq.export: directory {path!r} exists and is not empty ({len(os.listdir(path))} entries); "
-            "pass an empty or new directory, or overwrite=True to replace its checkpoint files"
-        )
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ExportError(f"tq.export: cannot create the directory {path!r}: {e}") from e
-
-
-_CHECKPOINT_FILES = ("model.safetensors.index.json", "hf_quant_config.json")
-
-
-def _clear_previous(path: str, keep: set[str]) -> None:
-    """Remove a previous checkpoint's files (shards, index, ModelOpt's config, spools of an
-    interrupted export), all but `keep`: called once the new checkpoint's data is complete."""
-    for name in os.listdir(path):
-        if name in keep:
-            continue
-        if name.endswith(".safetensors") or name in _CHECKPOINT_FILES or name.startswith(SPOOL_PREFIX):
-            os.remove(os.path.join(path, name))
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _sharded_device(model: nn.Module) -> torch.device | None:
@@ -91,31 +67,51 @@ def _sharded_device(model: nn.Module) -> torch.device | None:
     return next((p.device for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
-def _writer_rank(model: nn.Module, path: str, overwrite: bool) -> bool:
-    """Whether this process writes, after checking `path`. A sharded (DTensor) model exports
-    collectively: every rank calls `tq.export` with the same path (each tensor is gathered in
-    turn), rank 0 checks the path and writes, and every rank gets rank 0's refusal."""
-    if _sharded_device(model) is None:
-        _check_path(path, overwrite)
-        return True
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ExportError("tq.export: the model's parameters are DTensors (sharded) but no process group is initialized")
-    paths = [None] * dist.get_world_size()
-    dist.all_gather_object(paths, os.path.abspath(path))
-    if len(set(paths)) != 1:
-        raise ExportError(
-            f"tq.export of a sharded model is collective: every rank must pass the same path (rank 0 writes); got {sorted(set(paths))}"
+def _same_path_everywhere(path: str) -> None:
+    """Every rank called `tq.export` with this path. The handshake goes through the process
+    group's store (`check_ranks_agree`), not a collective: a rank that calls it alone (``if rank
+    == 0: tq.export(...)`` without ``collective=False``) gets an error after a minute instead of
+    waiting in a collective for the process group's timeout."""
+    from tqcompile.distributed.agreement import check_ranks_agree
+
+    try:
+        check_ranks_agree(
+            dist.group.WORLD, "collective export", "tq.export", {"path": os.path.abspath(path)},
+            advice="tq.export under torch.distributed is collective: call it on every rank with the same path (rank 0 "
+            "writes), or pass collective=False where one process writes alone",
         )
-    refusal = [None]
+    except ExportError:
+        raise
+    except ValueError as e:
+        raise ExportError(str(e)) from e
+
+
+def _open_on_rank0(path: str, overwrite: bool) -> Destination | None:
+    """Rank 0 locks and checks `path` (`Destination`); every rank gets rank 0's refusal."""
+    dest, refusal = None, [None]
     if dist.get_rank() == 0:
         try:
-            _check_path(path, overwrite)
+            dest = Destination(path, overwrite)
         except ExportError as e:
             refusal[0] = str(e)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         raise ExportError(refusal[0])
-    return dist.get_rank() == 0
+    return dest
+
+
+def _from_rank0(outcome: ExportReport | BaseException | None) -> ExportReport:
+    """Rank 0's report (or failure), on every rank: the other ranks return the report of the one
+    checkpoint written, or raise rank 0's error."""
+    box = [outcome if dist.get_rank() == 0 else None]
+    if isinstance(outcome, BaseException):
+        box[0] = ExportError(f"tq.export: rank 0 failed writing the checkpoint: {type(outcome).__name__}: {outcome}")
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def _dcp_reader(checkpoint):
@@ -261,7 +257,8 @@ def export(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     checkpoint: str | os.PathLike | None = None,
-) -> ExportReport | None:
+    collective: bool | None = None,
+) -> ExportReport:
     """Write `model`'s quantized weights, scales and the rest of its state as a checkpoint that
     serving engines load: safetensors (sharded above `max_shard_size`, with the index file) and,
     for a Hugging Face model, `config.json` with its ``quantization_config`` (and, for
@@ -284,9 +281,19 @@ def export(
             only gives the structure: build it on the meta device and convert it as it was trained
             (``with torch.device("meta"): model = ...; tq.convert(model, recipe)``). One process,
             no process group, memory for one layer.
+        collective: under an initialized process group of more than one rank, None (the
+            default) or True: the export is collective, as `torch.distributed.checkpoint.save`
+            is; call it on every rank with the same path, rank 0 writes the one checkpoint and
+            every rank returns its report (or raises its error). A sharded (FSDP2 / DTensor)
+            model gathers one tensor at a time on every rank; a replicated one (DDP) is written
+            from rank 0's copy while the others wait. False: this process writes alone, without
+            any collective (``if rank == 0: tq.export(model, path, collective=False)``); a
+            sharded model cannot.
 
-    A sharded (FSDP2 / DTensor) model exports collectively: call it on every rank with the same
-    path; tensors are gathered one at a time and rank 0 writes (other ranks return None). Memory
+    The checkpoint is written beside whatever `path` holds and moved into place when complete
+    (atomic renames), under a lock: a second export to the same directory at the same time gets
+    an `ExportError`, a failed export leaves the previous checkpoint as it was, and
+    `overwrite=True` removes only the previous checkpoint's files (see docs/serving.md). Memory
     holds one layer's tensors at a time.
 
     Returns:
@@ -307,24 +314,62 @@ def export(
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
     fmt.check_targets(_extra_targets(model, units))
     _check_fused(model, schemes)
-    if checkpoint is None:
-        writes = _writer_rank(model, path, overwrite)
-    else:  # one process reads the checkpoint and writes
-        _check_path(path, overwrite)
-        writes = True
-    read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
-    state = _drop_tied(model, _canonical_state(model), units)
-    lost = [u.weight_key for u in units if u.weight_key not in state]
-    if lost:  # never write a quantized layer as float
-        raise ExportError(f"tq.export: cannot find the weights {lost} among the model's parameters")
-    model = _unwrap(model)
-    where = placements(model, {k: v.shape for k, v in state.items()})
-    _check_experts(model, schemes)
-    shared = _shared_global_amax(units, schemes, state, read)
-    by_key = {u.weight_key: u for u in units}
-    writer = ShardedWriter(path, limit) if writes else None
-    run = _Pass(fmt, read, dtype, where, shared, schemes, writer, None if checkpoint is not None else _sharded_device(model))
+    if collective not in (None, True, False):
+        raise ValueError(f"tq.export: collective={collective!r} is not allowed; allowed: None (collective under torch.distributed), True, False")
+    sharded = checkpoint is None and _sharded_device(model) is not None
+    if sharded or (checkpoint is None and collective is not False and _world_size() > 1):
+        if sharded and collective is False:
+            raise ExportError("tq.export: the model's parameters are DTensors (sharded): its export is collective, every rank gathers; collective=False is not allowed")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ExportError("tq.export: the model's parameters are DTensors (sharded) but no process group is initialized")
+        _same_path_everywhere(path)
+        if not sharded:  # a replicated model: rank 0 writes from its copy, the others wait for its report
+            outcome = None
+            if dist.get_rank() == 0:
+                try:
+                    outcome = _write(model, units, schemes, fmt, path, format, dtype, limit, overwrite, None)
+                except BaseException as e:  # every rank learns of it, then rank 0 raises it
+                    outcome = e
+            return _from_rank0(outcome)
+        dest = _open_on_rank0(path, overwrite)
+        try:
+            outcome = _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, dest)
+        except BaseException as e:
+            outcome = e
+        return _from_rank0(outcome)
+    if collective is True and not (dist.is_available() and dist.is_initialized()):
+        raise ExportError("tq.export: collective=True needs an initialized process group (torch.distributed.init_process_group)")
+    return _write(model, units, schemes, fmt, path, format, dtype, limit, overwrite, checkpoint)
+
+
+def _write(model, units, schemes, fmt, path, format, dtype, limit, overwrite, checkpoint) -> ExportReport:
+    """The export in this one process: lock and check `path`, write the checkpoint beside the
+    previous one, move it into place (`Destination`)."""
+    dest = Destination(path, overwrite)
     try:
+        return _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, dest, checkpoint)
+    finally:
+        dest.close()
+
+
+def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, dest, checkpoint=None) -> ExportReport | None:
+    """One pass over the model's tensors. For a sharded model every rank takes part (each tensor
+    is gathered in turn) and only the rank holding `dest` writes; otherwise one process does it all.
+    Returns the report on the writing rank, None on the others."""
+    writer = None
+    try:
+        read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
+        state = _drop_tied(model, _canonical_state(model), units)
+        lost = [u.weight_key for u in units if u.weight_key not in state]
+        if lost:  # never write a quantized layer as float
+            raise ExportError(f"tq.export: cannot find the weights {lost} among the model's parameters")
+        model = _unwrap(model)
+        where = placements(model, {k: v.shape for k, v in state.items()})
+        _check_experts(model, schemes)
+        shared = _shared_global_amax(units, schemes, state, read)
+        by_key = {u.weight_key: u for u in units}
+        writer = ShardedWriter(dest.stage, limit) if dest is not None else None
+        run = _Pass(fmt, read, dtype, where, shared, schemes, writer, None if checkpoint is not None else _sharded_device(model))
         for key, value in state.items():
             unit = by_key.get(key)
             if unit is None:
@@ -336,15 +381,17 @@ def export(
         targets = _extra_targets(model, units)
 
         def finish() -> list[str]:
-            files = writer.finish(before_rename=lambda names: _clear_previous(path, set(names)))
-            _write_configs(model, path, fmt, run.groups, ignored, targets, dtype)
-            return files
+            shards = writer.finish()
+            _write_configs(model, dest.stage, fmt, run.groups, ignored, targets, dtype)
+            dest.commit(sorted(os.listdir(dest.stage)))
+            return shards
 
-        files = run.final(finish)  # every rank learns whether rank 0 wrote the files
-    except BaseException:
+        files = run.final(finish)  # every rank learns whether the writing rank wrote the files
+    finally:
         if writer is not None:
             writer.abort()
-        raise
+        if dest is not None:
+            dest.close()
     if writer is None:
         return None
     return ExportReport(path, format, run.rows, ignored, files, writer.total)

@@ -36,9 +36,17 @@ from tqcompile.calibration.modules import (
     module_device,
     quant_units,
 )
-from tqcompile.export.decode import DecodedLayer, LayerScheme, ct_scheme, decode_layer, modelopt_scheme, with_scale_rules
+from tqcompile.export.decode import (
+    DecodedLayer,
+    LayerScheme,
+    check_layer,
+    ct_scheme,
+    decode_layer,
+    modelopt_scheme,
+    with_scale_rules,
+)
+from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.names import Placement, placements
-from tqcompile.export.safetensors_io import load_tensor, read_safetensors_header
 from tqcompile.export.units import ExportError
 from tqcompile.nn.base import is_converted
 from tqcompile.quantizers import Granularity
@@ -51,32 +59,14 @@ _METHODS = ("compressed-tensors", "modelopt")
 def _read_json(path: str) -> dict | None:
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
-
-
-class _Checkpoint:
-    """The directory's safetensors tensors by name (their headers), each read when asked for:
-    memory holds one layer's tensors at a time."""
-
-    def __init__(self, path: str):
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise ExportError(f"tq.load_exported: {path!r} holds no .safetensors file")
-        self.entries: dict[str, tuple[str, dict, int]] = {}
-        for f in files:
-            full = os.path.join(path, f)
-            header, start = read_safetensors_header(full)
-            self.entries.update({k: (full, e, start) for k, e in header.items()})
-
-    def get(self, name: str) -> torch.Tensor | None:
-        if name not in self.entries:
-            return None
-        return load_tensor(*self.entries[name])
-
-    def layer_prefixes(self) -> list[str]:
-        """The quantized layers: every name that holds a ``weight_scale``."""
-        return sorted(k[: -len(".weight_scale")] for k in self.entries if k.endswith(".weight_scale"))
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ExportError(f"tq.load_exported: {path!r} is not JSON ({e}); restore the file the export wrote") from None
+    if not isinstance(content, dict):
+        raise ExportError(f"tq.load_exported: {path!r} holds a JSON {type(content).__name__}, not an object; restore the file the export wrote")
+    return content
 
 
 def _quantization_config(path: str) -> tuple[dict, dict]:
@@ -94,6 +84,11 @@ def _quantization_config(path: str) -> tuple[dict, dict]:
             f"tq.load_exported: {path!r}'s config.json has no quantization_config (and there is no hf_quant_config.json): "
             "it is not a quantized checkpoint; load a float model with from_pretrained and tq.calibrate it"
         )
+    if not isinstance(qc, dict):
+        raise ExportError(f"tq.load_exported: {path!r}'s quantization_config is a {type(qc).__name__}, not an object")
+    groups = qc.get("config_groups")
+    if groups is not None and not (isinstance(groups, dict) and all(isinstance(g, dict) for g in groups.values())):
+        raise ExportError(f"tq.load_exported: {path!r}'s quantization_config.config_groups is not an object of config groups")
     method = qc.get("quant_method")
     if method not in _METHODS:
         raise ExportError(f"tq.load_exported: quant_method={method!r} is not allowed; allowed: {', '.join(map(repr, _METHODS))}")
@@ -251,8 +246,8 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
         >>> model = tq.load_exported("llama-int8")            # a calibrated tq model
         >>> model.train(); loss = model(ids, labels=ids).loss  # QAT continues from it
     """
+    ckpt = CheckpointFiles(path)  # a missing directory, shard or index is named first
     config, qc = _quantization_config(path)
-    ckpt = _Checkpoint(path)
     if model is None:
         model = _build_model(path, config, dtype)
     _check_float(model)
@@ -262,7 +257,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     state = _untied_state(model)
     where = placements(model, {k: v.shape for k, v in state.items()})
     units_by_key = _unit_by_weight_key(model)
-    _precheck(model, ckpt, state, where, quantized, units_by_key, resolve)
+    checked = _precheck(model, ckpt, state, where, quantized, units_by_key, resolve, modelopt)
     # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
     # in place (memory holds the model and one layer, not a second copy of the model).
     units: list[tuple[nn.Module, _Unit]] = []
@@ -276,7 +271,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
                 continue
             name, unit_module = units_by_key[key]
             dst = torch.empty(value.shape, dtype=torch.float32)
-            units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, notes, counts)))
+            units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, checked, modelopt, dst, mismatch, notes, counts)))
             target.copy_(dst)
     if mismatch:
         raise ExportError(_mismatch_message(model, [], [], mismatch))
@@ -298,7 +293,7 @@ _LAYER_TENSORS = (
 )
 
 
-def _layer_shape(ckpt: _Checkpoint, prefix: str) -> tuple[int, ...] | None:
+def _layer_shape(ckpt: CheckpointFiles, prefix: str) -> tuple[int, ...] | None:
     """A quantized layer's (out, in), from its headers (and its small weight_shape tensor)."""
     if f"{prefix}.weight_shape" in ckpt.entries:
         return tuple(int(v) for v in ckpt.get(f"{prefix}.weight_shape"))
@@ -316,9 +311,10 @@ def _slot_shape(shape: torch.Size, p: Placement, experts: bool) -> tuple[int, ..
     return (p.rows.numel(), *s[1:]) if p.rows is not None and s else s
 
 
-def _precheck(model, ckpt: _Checkpoint, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve) -> None:
-    """Names and shapes against the checkpoint's headers, and every quantized layer's scheme,
-    before any tensor is read or written: a checkpoint of another architecture changes nothing."""
+def _precheck(model, ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, modelopt: bool) -> dict:
+    """Names and shapes against the checkpoint's headers, then every tensor (`_check_layers`),
+    before any tensor is written into the model: a checkpoint of another architecture, or a
+    corrupt one, changes nothing. Returns each quantized layer's scheme."""
     missing, mismatch, known = [], [], set()
     for key, value in state.items():
         ps = where[key]
@@ -344,9 +340,54 @@ def _precheck(model, ckpt: _Checkpoint, state: dict, where: dict, quantized: set
             want = _slot_shape(value.shape, p, value.dim() == 3)
             if got != want:
                 mismatch.append(f"{p.name}: checkpoint {got}, model {want}")
+    ckpt.refuse_strays({p.name for ps in where.values() for p in ps})
     unused = sorted(set(ckpt.entries) - known)
     if missing or unused or mismatch:
         raise ExportError(_mismatch_message(model, missing, unused, mismatch))
+    return _check_layers(ckpt, state, where, quantized, units_by_key, resolve, modelopt)
+
+
+def _check_layers(ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, modelopt: bool) -> dict:
+    """Every tensor's dtype and every quantized layer's tensors and scales (`decode.check_layer`),
+    and that the checkpoint layers of one model GEMM are quantized alike: whatever a checkpoint
+    can get wrong is found here, before the first tensor is copied into the model. Returns each
+    quantized layer's scheme, as its scales show it."""
+    checked: dict[str, LayerScheme] = {}
+    for key, value in state.items():
+        ps = where[key]
+        if key not in units_by_key or not any(_prefix(p.name) in quantized for p in ps):
+            for p in ps:
+                stored = ckpt.entry(p.name)["dtype"]
+                if stored.startswith(("F", "BF")) != value.is_floating_point() or (stored == "BOOL") != (value.dtype == torch.bool):
+                    raise ExportError(f"tq.load_exported: {p.name} is stored as {stored}; the model's {key!r} is {value.dtype}")
+            continue
+        name, unit_module = units_by_key[key]
+        experts = isinstance(unit_module, ExpertGemmQuantizers) or kind_of(unit_module)[0] == "GroupedLinear"
+        if isinstance(unit_module, ExpertGemmQuantizers) and unit_module.gemm.transposed:
+            raise ExportError(f"tq.load_exported: experts GEMM {name!r} stores its weight transposed (GPT-OSS); tq exports and loads none such")
+        first = None
+        for p in ps:
+            prefix = _prefix(p.name)
+            if experts and p.expert is None:
+                raise ExportError(f"tq.load_exported: layer {prefix!r} holds all experts in one tensor; tq loads per-expert layers")
+            scheme = check_layer(prefix, resolve(prefix), lambda local, pre=prefix: ckpt.entry(f"{pre}.{local}"),
+                                 lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), modelopt)
+            checked[prefix] = scheme
+            wq = scheme.weight_q
+            if first is None:
+                first = (prefix, scheme)
+            elif (scheme.weight_q, scheme.input_q, scheme.static_input) != (first[1].weight_q, first[1].input_q, first[1].static_input):
+                raise ExportError(
+                    f"tq.load_exported: {first[0]!r} ({first[1].text}) and {prefix!r} ({scheme.text}) are one GEMM in the "
+                    f"model ({name!r}) but quantized differently in the checkpoint; tq quantizes a GEMM one way"
+                )
+            block = wq.layout()[2] if wq.layout()[0] is Granularity.BLOCKWISE_2D else 1
+            if p.rows is not None and block > 1 and (int(p.rows[0]) % block or p.rows.numel() % block):
+                raise ExportError(
+                    f"tq.load_exported: {prefix!r} is rows {int(p.rows[0])}..{int(p.rows[0]) + p.rows.numel()} of the model's "
+                    f"{key!r}, which do not align with its {block}x{block} scale blocks"
+                )
+    return checked
 
 
 def _check_float(model: nn.Module) -> None:
@@ -369,17 +410,12 @@ def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, notes, counts) -> _Unit:
+def _load_unit(name, unit_module, ps, ckpt, checked, modelopt, dst, mismatch, notes, counts) -> _Unit:
     experts = isinstance(unit_module, ExpertGemmQuantizers) or kind_of(unit_module)[0] == "GroupedLinear"
-    if isinstance(unit_module, ExpertGemmQuantizers) and unit_module.gemm.transposed:
-        raise ExportError(f"tq.load_exported: experts GEMM {name!r} stores its weight transposed (GPT-OSS); tq exports and loads none such")
     layers: list[tuple[Placement, DecodedLayer]] = []
     for p in ps:
         prefix = _prefix(p.name)
-        scheme = resolve(prefix)
-        if experts and p.expert is None:
-            raise ExportError(f"tq.load_exported: layer {prefix!r} holds all experts in one tensor; tq loads per-expert layers")
-        layer = decode_layer(prefix, scheme, lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), modelopt)
+        layer = decode_layer(prefix, checked[prefix], lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), modelopt)
         layers.append((p, layer))
         counts["inexact"] += layer.inexact
         counts["beyond"] += layer.beyond_qmax
@@ -388,13 +424,6 @@ def _load_unit(name, unit_module, ps, ckpt, resolve, modelopt, dst, mismatch, no
             counts["fp8"] += 1
             counts["pow2"] += layer.pow2_scales
     first = layers[0][1].scheme
-    for p, layer in layers[1:]:
-        s = layer.scheme
-        if (s.weight_q, s.input_q, s.static_input) != (first.weight_q, first.input_q, first.static_input):
-            raise ExportError(
-                f"tq.load_exported: {_prefix(ps[0].name)!r} ({first.text}) and {_prefix(p.name)!r} ({s.text}) are one GEMM in the "
-                f"model ({name!r}) but quantized differently in the checkpoint; tq quantizes a GEMM one way"
-            )
     unit = _Unit(name, first)
     wq, n_exp = first.weight_q, (dst.shape[0] if experts else None)
     for p, layer in layers:
