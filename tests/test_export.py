@@ -89,8 +89,10 @@ def _assert_bits(got: torch.Tensor, want_fp32: torch.Tensor, where: str) -> None
     assert torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32), want.view(torch.int16 if got.element_size() == 2 else torch.int32)), where
 
 
-def _shared_nvfp4_amax(model: nn.Module, name: str, amax_of=lambda s: s.weight_quantizer.amax.reshape(())) -> torch.Tensor | None:
-    """The max amax over the layers an engine fuses with `name` (q/k/v, gate/up); None for others."""
+def _shared_nvfp4_amax(model: nn.Module, name: str, amax_of) -> torch.Tensor | None:
+    """The max `amax_of(layer)` over the layers an engine fuses with `name` (q/k/v, gate/up); None
+    for others. For `tq.convert`ed models: training quantized each weight with its own amax, the
+    checkpoint holds one global scale per fused group."""
     parent, _, leaf = name.rpartition(".")
     for fam in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
         if leaf in fam:
@@ -109,11 +111,9 @@ def test_ptq_export_decompresses_bit_for_bit(tmp_path, name):
     assert report.ignored == ["lm_head"] and not any(k.startswith("lm_head.") and k != "lm_head.weight" for k in tensors)
     for n, m in linears:
         with torch.no_grad():
-            if name == "nvfp4":
-                # The engines fuse q/k/v and gate/up under one global scale: exported with the max amax.
-                want = tq.quantize(m.weight, m.weight_quantizer.quantizer, amax=_shared_nvfp4_amax(model, n)).dequantize()
-            else:
-                want = m.weight_quantizer(m.weight)  # the fake-quantized weight the calibrated model computes with
+            # The fake-quantized weight the calibrated model computes with (NVFP4 q/k/v and gate/up
+            # included: they compute with the one global amax the engines fuse them under).
+            want = m.weight_quantizer(m.weight)
         _assert_bits(_decompress(path, tensors, n), want, f"{name} {n}")
     for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         assert torch.equal(tensors[k], model.state_dict()[k]), k  # high-precision tensors as they are
@@ -251,8 +251,7 @@ def test_modelopt_export(tmp_path, name, algo):
         if not isinstance(m, nn.Linear) or n == "lm_head":
             continue
         with torch.no_grad():
-            amax = _shared_nvfp4_amax(model, n) if algo == "NVFP4" else None
-            want = tq.quantize(m.weight, m.weight_quantizer.quantizer, amax=amax).dequantize() if amax is not None else m.weight_quantizer(m.weight)
+            want = m.weight_quantizer(m.weight)
         got = _modelopt_dequant(t, n, algo)
         if algo == "NVFP4":
             # weight_scale_2 is the fp32 reciprocal of tq's s_enc: one more rounding than tq's q * (s_blk / s_enc).
@@ -446,8 +445,10 @@ def test_deepseek_mla_nvfp4_shares_the_fused_global_scale(tmp_path):
     attn = "model.layers.0.self_attn"
     a, b = t[f"{attn}.q_a_proj.weight_global_scale"], t[f"{attn}.kv_a_proj_with_mqa.weight_global_scale"]
     assert torch.equal(a, b)
+    # The model computes with that one global amax too (tests/test_fused_nvfp4.py: every path).
     own = [model.get_submodule(f"{attn}.{n}").weight_quantizer.amax for n in ("q_a_proj", "kv_a_proj_with_mqa")]
-    assert not torch.equal(own[0], own[1])  # different before the export shared them
+    weights = [model.get_submodule(f"{attn}.{n}").weight for n in ("q_a_proj", "kv_a_proj_with_mqa")]
+    assert torch.equal(own[0], own[1]) and torch.equal(own[0], torch.stack([w.abs().amax() for w in weights]).amax())
 
 
 def test_overwrite_keeps_the_previous_checkpoint_until_the_new_one_is_written(tmp_path):

@@ -23,7 +23,7 @@ from tqcompile.export import ExportError
 
 pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
-from test_export import _calibrated, _configs, _decompress, _read, _shared_nvfp4_amax, tiny_llama  # noqa: E402
+from test_export import _calibrated, _configs, _decompress, _read, tiny_llama  # noqa: E402
 
 IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
 
@@ -31,17 +31,6 @@ IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
 def _logits(model: nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits
-
-
-def _as_exported(model: nn.Module, name: str) -> nn.Module:
-    """The calibrated model as its checkpoint quantizes it: NVFP4 weights an engine fuses (q/k/v,
-    gate/up) share one global scale in the checkpoint, the max of their amaxes."""
-    if name == "nvfp4":
-        shared = {n: _shared_nvfp4_amax(model, n) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
-        for n, amax in shared.items():
-            if amax is not None:
-                model.get_submodule(n).weight_quantizer.set_amax(amax)
-    return model
 
 
 def _fake_quant_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -103,7 +92,7 @@ ROUND_TRIPS = [(name, "compressed-tensors") for name in _configs() if name != "i
 
 @pytest.mark.parametrize("name,fmt", ROUND_TRIPS, ids=[f"{n}-{f}" for n, f in ROUND_TRIPS])
 def test_round_trip_logits_bit_for_bit_and_reexport_same_bytes(tmp_path, name, fmt):
-    model = _as_exported(_calibrated(name), name)
+    model = _calibrated(name)
     tq.export(model, str(tmp_path / "a"), format=fmt)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CalibrationWarning)  # tq's own scales map back exactly: nothing to warn

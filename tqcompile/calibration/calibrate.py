@@ -23,6 +23,8 @@ Algorithms, for the static activation amaxes of quantizers with a per-element er
 
 NVFP4 global amaxes and per-expert input amaxes always use "max". Weights use "max", except that
 "mse" also searches a per-unit clipping ratio of the weight amax that minimises each unit's error.
+NVFP4 weights that serving engines fuse into one GEMM (q/k/v, gate/up) then get one amax, the max
+of theirs, whatever the algorithm (`tqcompile.calibration.fused`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer, static_weight_amax
+from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.layer_stats import WeightUndo
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
@@ -397,6 +400,8 @@ def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups
     # Weights are replicated over data-parallel groups and tensor-level amaxes of sharded weights
     # need the max over the shards: one MAX-reduce covers both (see docs/ptq.md for per-channel).
     _reduce(weight_amaxes, groups)
+    # After the reduce, so every rank shares the same values; GPTQ's siblings already share theirs.
+    share_fused_weight_amax([(p.name, p.module) for p in planned])
 
 
 def _activation_amax(name: str, t: TensorQuantizer, algorithm: str, percentile: float) -> torch.Tensor:

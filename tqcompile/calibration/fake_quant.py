@@ -60,9 +60,10 @@ def static_weight_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor | None:
     return tensor_amax(w, q) if kind == "tensor" else unit_amax(w, q)
 
 
-def round_to_nearest(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """What `max` calibration makes of the weight `w`: fake-quantized with `static_weight_amax`."""
-    return fake_quantize(w, q, amax=static_weight_amax(w, q))
+def round_to_nearest(w: torch.Tensor, q: Quantizer, *, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """What `max` calibration makes of the weight `w`: fake-quantized with `static_weight_amax`,
+    or with `amax` where given (the NVFP4 global amax of a fused group, `tqcompile.calibration.fused`)."""
+    return fake_quantize(w, q, amax=static_weight_amax(w, q) if amax is None else amax)
 
 
 def _expand_amax(amax: torch.Tensor, shape: torch.Size, q: Quantizer) -> torch.Tensor:

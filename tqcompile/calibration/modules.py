@@ -32,6 +32,7 @@ from torch import nn
 
 from tqcompile.calibration.config import SLOTS
 from tqcompile.calibration.fake_quant import TensorQuantizer
+from tqcompile.calibration.fused import FUSED_SIBLINGS  # re-exported: its home is fused.py
 from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, experts_layout
 from tqcompile.nn.grouped import GroupedLinear
@@ -54,20 +55,6 @@ __all__ = [
     "base_class",
     "swap_class",
 ]
-
-
-# Weights an engine fuses into one GEMM (vLLM's packed modules): an NVFP4 global scale is shared
-# across them, so each is exported with the max of their amaxes.
-# (The families of vLLM's `packed_modules_mapping`: Llama-style, DeepSeek MLA, BERT, torchtitan.)
-FUSED_SIBLINGS = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("w1", "w3"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-    ("query", "key", "value"),
-    ("wq", "wk", "wv"),
-)
 
 
 # Kinds whose input and weight quantizers keep one amax per expert.

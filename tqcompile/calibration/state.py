@@ -27,6 +27,7 @@ from tqcompile.calibration.algorithms import SCALE_SEARCH
 from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, check_not_sharded, set_record
 from tqcompile.calibration.config import SLOTS, ModuleTypeImportError, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
+from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
     FakeQuantModule,
@@ -204,6 +205,15 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
             a = amaxes[s]
             tq_.set_amax(None if a is None else a.to(module_device(module)))
             tq_.method = saved[name][s].get("method")
+    differed = share_fused_weight_amax([(name, module) for name, module, _, _ in plans])
+    if differed:
+        warnings.warn(
+            "tq.restore: the state holds different NVFP4 weight amaxes for layers that serving engines fuse into one GEMM "
+            f"under one global scale (a state saved by a tq that kept each one's own): {'; '.join(differed)}; each group now "
+            "has one amax, the max of theirs, as tq.calibrate gives them and tq.export writes them",
+            CalibrationWarning,
+            stacklevel=2,
+        )
     set_record(model, [p[1] for p in plans], CalibrationRecord(config, state["algorithm"], float(state["percentile"])))
     return model
 

@@ -30,6 +30,7 @@ from torch import nn
 from tqcompile.calibration.algorithms import AWQ, AlgorithmPlan
 from tqcompile.calibration.fake_quant import round_to_nearest, static_weight_amax
 from tqcompile.calibration.folds import FoldRecorder
+from tqcompile.calibration.fused import fused_nvfp4_groups, shared_amax
 from tqcompile.calibration.gptq import gptq_quantize
 from tqcompile.calibration.layer_stats import (
     TRANSFORM_KINDS,
@@ -40,10 +41,9 @@ from tqcompile.calibration.layer_stats import (
     tied_parameters,
     weight_of,
 )
-from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules, kind_of, module_device
+from tqcompile.calibration.modules import canonical_modules, kind_of, module_device
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.calibration.smoothing import smooth
-from tqcompile.quantizers import NVFP4Quantizer
 
 __all__ = ["run_transforms", "sequential_groups"]
 
@@ -147,19 +147,13 @@ def _run_group(ctx: Context, members: list, desc: str) -> None:
 # ------------------------------------------------------------------------------------------------
 def _fused_nvfp4_amax(ctx: Context, members: list) -> dict[int, torch.Tensor]:
     """{id(unit): amax} for NVFP4 Linear weights an engine fuses into one GEMM (q/k/v, gate/up: one
-    global scale, see `FUSED_SIBLINGS`): the max of their tensor amaxes before any is rounded, so each
-    is rounded under the global scale it is served with and exports as it is."""
-    families: dict[tuple[str, tuple], list] = {}
-    for u in members:
-        parent, _, leaf = ctx.names.get(id(u), "").rpartition(".")
-        fam = next((f for f in FUSED_SIBLINGS if leaf in f), None)
-        if fam is not None and isinstance(u.weight_quantizer.quantizer, NVFP4Quantizer) and weight_of(u).dim() == 2:
-            families.setdefault((parent, fam), []).append(u)
+    global scale, `tqcompile.calibration.fused`): the max of their tensor amaxes before any is
+    rounded, so each is rounded under the global scale it computes and is served with."""
+    named = [(ctx.names.get(id(u), ""), u) for u in members]
     held = {}
-    for group in families.values():
-        if len(group) > 1:
-            top = torch.stack([static_weight_amax(weight_of(u).detach().float(), u.weight_quantizer.quantizer) for u in group]).amax()
-            held.update({id(u): top for u in group})
+    for group in fused_nvfp4_groups(named, lambda u: u.weight_quantizer.quantizer if weight_of(u).dim() == 2 else None):
+        top = shared_amax([static_weight_amax(weight_of(u).detach().float(), u.weight_quantizer.quantizer) for _, u in group])
+        held.update({id(u): top for _, u in group})
     return held
 
 
@@ -184,7 +178,8 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
                     why = str(err)
             if why is not None:
                 wf = w.detach().float()
-                qw, amax, how = round_to_nearest(wf, q), static_weight_amax(wf, q), "rtn"
+                amax = static_weight_amax(wf, q) if held_amax is None else held_amax
+                qw, how = round_to_nearest(wf, q, amax=amax), "rtn"
                 ctx.fell_back.append(f"  {label}: {why}")
             ctx.undo.save(w)
             w.copy_(qw.to(w.dtype))

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules
+from tqcompile.calibration.fused import FUSED_SIBLINGS, fused_nvfp4_groups, shared_amax
+from tqcompile.calibration.modules import canonical_modules
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.files import Destination
@@ -21,7 +22,6 @@ from tqcompile.export.names import Placement, is_hf_model, placements
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit, weight_tensor_amax
 from tqcompile.nn.histories import HISTORY_PREFIX
-from tqcompile.quantizers import NVFP4Quantizer
 
 __all__ = ["export", "ExportReport", "ExportRow", "ExportWarning", "FORMATS"]
 
@@ -193,21 +193,28 @@ def _extra_targets(model: nn.Module, units: list[ExportUnit]) -> list[str]:
 
 
 def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, read) -> dict[str, torch.Tensor]:
-    """For NVFP4 weights an engine fuses (q/k/v, gate/up under one parent), the max of their
-    tensor amaxes, by unit name: one global scale for the fused GEMM."""
-    by_parent: dict[tuple[str, tuple], list[ExportUnit]] = {}
-    for u in units:
-        parent, _, leaf = u.name.rpartition(".")
-        fam = next((f for f in FUSED_SIBLINGS if leaf in f), None)
-        if fam is not None and isinstance(u.weight_q, NVFP4Quantizer) and not u.experts:
-            by_parent.setdefault((parent, fam), []).append(u)
-    shared = {}
-    for group in by_parent.values():
-        if len(group) > 1:
-            # A calibrated amax is the unit's own; only a weight quantized with its own amax is read.
-            amaxes = [weight_tensor_amax(u, None if u.weight_amax is not None else read(u.weight_key, state[u.weight_key])) for u in group]
-            top = torch.stack(amaxes).amax()
-            shared.update({u.name: top for u in group})
+    """For NVFP4 weights an engine fuses (q/k/v, gate/up under one parent), their one tensor amax
+    by unit name (`tqcompile.calibration.fused`): one global scale for the fused GEMM. A calibrated
+    model already computes with it; a `tq.convert`ed one computed each weight's own in training."""
+    shared, differed = {}, []
+    for group in fused_nvfp4_groups([(u.name, u) for u in units], lambda u: None if u.experts else u.weight_q):
+        # A calibrated amax is the unit's own; only a weight quantized with its own amax is read.
+        amaxes = [weight_tensor_amax(u, None if u.weight_amax is not None else read(u.weight_key, state[u.weight_key])) for _, u in group]
+        top = shared_amax(amaxes)
+        if any(u.weight_amax is not None for _, u in group) and any(not torch.equal(a.reshape(()).to(top.device), top) for a in amaxes):
+            differed.append(", ".join(f"{name} {float(a):.6g}" for (name, _), a in zip(group, amaxes)))
+        shared.update({u.name: top for _, u in group})
+    if differed:
+        # Only amaxes set outside tq.calibrate / tq.restore / tq.load_exported (by hand, or loaded
+        # in place with torch.distributed.checkpoint from an older state) get here.
+        warnings.warn(
+            "tq.export: NVFP4 layers that engines fuse into one GEMM under one global scale hold different weight amaxes "
+            f"in the model ({'; '.join(differed)}); the checkpoint shares their max, so these layers are served with weights "
+            "that differ from the model's by up to a quantization step: restore the model with tq.restore (which shares them) "
+            "before exporting",
+            ExportWarning,
+            stacklevel=3,
+        )
     return shared
 
 

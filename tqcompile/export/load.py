@@ -28,6 +28,7 @@ from torch import nn
 from tqcompile.calibration.calibrate import CalibrationWarning, prepare
 from tqcompile.calibration.config import QuantConfig, QuantRule
 from tqcompile.calibration.fake_quant import static_amax_kind
+from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import (
     ExpertGemmQuantizers,
     canonical_modules,
@@ -275,13 +276,16 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
             target.copy_(dst)
     if mismatch:
         raise ExportError(_mismatch_message(model, [], [], mismatch))
-    _warn(notes, counts, path)
     # One scale rule for the model, as the scales show: MX blocks that only RCEIL gives, in any
     # layer (a layer whose blocks cannot tell takes the others'); FP8 scales all powers of two.
     rceil, pow2 = counts["rceil"] > 0, counts["fp8"] > 0 and counts["pow2"] == counts["fp8"]
     for _, u in units:
         u.scheme = with_scale_rules(u.scheme, rceil=rceil, pow2=pow2)
     _convert(model, units)
+    # As tq.calibrate gives them (tq's own checkpoints already hold one global scale per group).
+    for differed in share_fused_weight_amax([(u.name, model.get_submodule(u.name)) for _, u in units]):
+        notes.append(f"NVFP4 layers that engines fuse into one GEMM hold different global scales ({differed}); the model gives them one amax, the max of theirs")
+    _warn(notes, counts, path)
     return model
 
 
