@@ -53,6 +53,7 @@ from tqcompile.calibration.modules import (
     params_owner,
     quant_units,
     read_by_parent,
+    static_amax_shape,
     unconvert_module,
     unsupported_reason,
     weight_view,
@@ -74,7 +75,7 @@ _WEIGHT_MSE_RATIOS = 40  # clipping ratios 0.5 ... 1.0 tried per weight unit
 class CalibrationRecord:
     """What `tq.quant_state` saves besides the amaxes (kept on the calibrated model)."""
 
-    config: QuantConfig | dict  # a dict: restored from a state whose rules name classes this process cannot import
+    config: QuantConfig
     algorithm: str
     percentile: float
 
@@ -314,16 +315,9 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     for p in planned:
         m = p.module
         for slot, t in m.quantizers().items():
-            kind = t.static_kind
-            if kind is None:
-                continue
-            device = module_device(m)
-            if slot == "weight":
-                w = weight_view(m, m.weight)
-                shape = t.quantizer.scale_shape(w.shape) if kind == "unit" else ((w.shape[0], 1, 1) if t.num_experts else ())
-            else:
-                shape = (t.num_experts,) if t.num_experts else ()
-            t.set_amax(torch.zeros(shape, device=device))
+            shape = static_amax_shape(m, slot, t.quantizer)
+            if shape is not None:
+                t.set_amax(torch.zeros(shape, device=module_device(m)))
     set_record(model, [p.module for p in planned], CalibrationRecord(config, "max", 99.99))
     return model
 

@@ -30,12 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tqcompile.calibration.config import SLOTS
-from tqcompile.calibration.fake_quant import TensorQuantizer
+from tqcompile.calibration.config import SLOTS, register_module_type
+from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, experts_layout
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.ops.grouped_gemm import equal_ends, expert_ids, grouped_mm
+from tqcompile.quantizers import Quantizer
 
 __all__ = [
     "FakeQuantModule",
@@ -51,6 +52,7 @@ __all__ = [
     "convert_module",
     "unconvert_module",
     "weight_view",
+    "static_amax_shape",
     "base_class",
     "swap_class",
 ]
@@ -233,6 +235,7 @@ _KINDS: tuple[tuple[type, str, type, tuple[str, ...]], ...] = (
     (nn.RMSNorm, "RMSNorm", _LastDimNormFQ, ("input", "output")),
     (nn.Embedding, "Embedding", _EmbeddingFQ, ("weight", "output")),
 )
+register_module_type(GroupedLinear, ExpertGemmQuantizers)  # the GEMM classes tq.configs' presets name
 _FORWARD_OWNER = {
     GroupedLinear: GroupedLinear,
     nn.Linear: nn.Linear,
@@ -355,6 +358,20 @@ def module_device(module: nn.Module) -> torch.device:
 def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The view of a weight its weight quantizer sees: a conv's (out, in/groups * kernel) GEMM matrix."""
     return weight.flatten(1) if isinstance(module, nn.modules.conv._ConvNd) else weight
+
+
+def static_amax_shape(module: nn.Module, slot: str, q: Quantizer | None) -> tuple[int, ...] | None:
+    """The shape of the static amax `q` keeps for `slot` of `module` (None: it keeps none): () per
+    tensor, one per expert for the input (E,) and weight (E, 1, 1) of an experts unit, or the
+    weight quantizer's scale shape."""
+    kind = static_amax_kind(q, slot)
+    if kind is None:
+        return None
+    experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS and slot != "output" else None
+    if slot == "weight":
+        w = weight_view(module, module.weight)
+        return tuple(q.scale_shape(w.shape)) if kind == "unit" else ((w.shape[0], 1, 1) if experts else ())
+    return (experts,) if experts else ()
 
 
 def _fake_quant_class(base: type, mixin: type) -> type:

@@ -1,0 +1,119 @@
+"""Checkpoints you can trust (issue 25): a saved quantization state is data that `tq.restore`
+checks before it changes anything, and never a reason to import code."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import tqcompile as tq
+from tqcompile.calibration import ConfigError, QuantRule
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+
+
+def _meta_mlp() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+
+
+def _state(config: tq.calibration.QuantConfig | None = None) -> dict:
+    """A calibrated `_mlp`'s state, as `torch.load(..., weights_only=True)` reads it back."""
+    model = _mlp()
+    tq.calibrate(model, config or tq.configs.int8(), lambda m: m(torch.randn(16, 32)), progress=False)
+    buf = io.BytesIO()
+    torch.save(tq.quant_state(model), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _naming(state: dict, module_type: str) -> dict:
+    """`state` with its config's first rule naming `module_type`."""
+    rules = [dict(r) for r in state["config"]["rules"]]
+    rules[0]["module_types"] = [module_type]
+    return {**state, "config": {**state["config"], "rules": rules}}
+
+
+# --------------------------------------------------------------------------------------------
+# A state's module types are resolved, never imported
+# --------------------------------------------------------------------------------------------
+def test_restore_never_imports_what_a_state_names(tmp_path, monkeypatch, capsys):
+    """A state naming ``"this.X"`` printed the Zen of Python: restore imported every module a rule's
+    `module_types` named (and silently dropped the rules where the name was no class). It now
+    resolves names only among the model's classes and those registered with tq, and refuses others."""
+    (tmp_path / "tq_planted.py").write_text(
+        "import pathlib\nfrom torch import nn\n"
+        f"pathlib.Path({str(tmp_path / 'ran')!r}).write_text('imported')\n"
+        "class Net(nn.Module):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "this", raising=False)
+    state = _state()
+    for name in ("this.X", "os.system", "tq_planted.Net"):
+        model = _mlp()
+        with pytest.raises(ConfigError, match=re.escape(repr(name)) + r".*never imports.*register_module_type"):
+            tq.restore(model, _naming(state, name))
+        assert type(model[0]) is nn.Linear  # refused before anything changed
+    assert "this" not in sys.modules and "tq_planted" not in sys.modules
+    assert not (tmp_path / "ran").exists()
+    assert "Zen of Python" not in capsys.readouterr().out
+
+
+def test_restore_resolves_module_types_among_the_models_and_registered_classes():
+    """A rule naming a class the model does not contain restores once the class is registered; the
+    presets' classes (LayerNorm, Embedding, ... absent from this model) are registered by tq."""
+
+    class Absent(nn.Linear):
+        pass
+
+    rule = QuantRule(module_types=(Absent,), input=False, must_match=False)
+    state = _state(tq.configs.int8().with_rules(rule))
+    with pytest.raises(ConfigError, match=r"'[\w.]*<locals>\.Absent'.*not a class of the model"):
+        tq.restore(_mlp(), state)
+    tq.calibration.register_module_type(Absent)
+    fresh = tq.restore(_mlp(), state)
+    assert tq.quant_state(fresh)["config"] == state["config"]
+    assert tq.calibration.QuantConfig.from_dict(state["config"]).rules[-1] == rule
+    with pytest.raises(ConfigError, match=r"register_module_type: 'fc' is not allowed; allowed: nn.Module subclasses"):
+        tq.calibration.register_module_type("fc")
+
+
+# --------------------------------------------------------------------------------------------
+# Amaxes are checked before the model changes
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("slot", ["input", "weight"])
+def test_restore_refuses_non_finite_amaxes(slot, value):
+    state = _state()
+    amax = state["modules"]["2"][slot]["amax"].clone()
+    amax.view(-1)[0] = value
+    state["modules"]["2"][slot]["amax"] = amax
+    model = _mlp()
+    bad = "NaN" if value != value else "inf"
+    with pytest.raises(ValueError, match=rf"tq.restore: the {slot} amax of '2' holds {bad}; .*finite"):
+        tq.restore(model, state)
+    assert type(model[2]) is nn.Linear
+
+
+@pytest.mark.parametrize(
+    ("config", "slot", "shape", "want"),
+    [
+        (tq.configs.int8(), "input", (32,), ()),  # a tensor-level input amax
+        (tq.configs.fp8(), "weight", (32, 1), ()),  # a tensor-level weight amax
+    ],
+)
+def test_restore_refuses_an_amax_of_the_wrong_shape(config, slot, shape, want):
+    state = _state(config)
+    state["modules"]["0"][slot]["amax"] = torch.ones(shape)
+    model = _mlp()
+    with pytest.raises(ValueError, match=re.escape(f"the {slot} amax of '0' has shape {shape}; the model's {slot} needs {want}")):
+        tq.restore(model, state)
+    assert type(model[0]) is nn.Linear
