@@ -1,5 +1,6 @@
 """Checkpoints you can trust (issue 25): a saved quantization state is data that `tq.restore`
-checks before it changes anything, and never a reason to import code."""
+checks before it changes anything, and never a reason to import code; checkpoint names keep the
+user's own components."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 import tqcompile as tq
 from tqcompile.calibration import ConfigError, QuantRule
+from tqcompile.distributed.checkpoint import quantization_metadata
 
 
 def _mlp() -> nn.Module:
@@ -117,3 +119,57 @@ def test_restore_refuses_an_amax_of_the_wrong_shape(config, slot, shape, want):
     with pytest.raises(ValueError, match=re.escape(f"the {slot} amax of '0' has shape {shape}; the model's {slot} needs {want}")):
         tq.restore(model, state)
     assert type(model[0]) is nn.Linear
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint names
+# --------------------------------------------------------------------------------------------
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential()
+        self.mlp.fc1 = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def test_checkpoint_names_strip_whole_wrapper_components():
+    """Wrapper prefixes were removed with str.replace, inside components too:
+    ``layers.0._checkpoint_wrapped_module.mlp.fc1`` became ``layers.0._checkpoint_wrapped_mlp.fc1``
+    and a user's ``encoder.submodule.fc`` became ``encoder.subfc``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([_Block()])
+    model.encoder = nn.Module()
+    model.encoder.submodule = nn.Module()
+    model.encoder.submodule.fc = nn.Linear(32, 32)
+    tq.convert(model, tq.recipes.fp8_tensorwise())
+    model.layers[0] = checkpoint_wrapper(model.layers[0])
+    names = set(quantization_metadata(torch.compile(model, backend="aot_eager")))
+    assert names == {"layers.0.mlp.fc1", "encoder.submodule.fc"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process, on purpose
+def test_a_checkpoint_saved_with_the_old_names_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before the fix hold the cut names; `load` still matches them."""
+    from tqcompile.distributed import checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.encoder = nn.Module()
+        model.encoder.submodule = nn.Module()
+        model.encoder.submodule.fc = nn.Linear(32, 32)
+        return tq.convert(model, tq.recipes.fp8_tensorwise())
+
+    saved = build()
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_clean", checkpoint._legacy_clean)
+        checkpoint.save(saved, None, str(tmp_path))
+    fresh = build()
+    with torch.no_grad():
+        fresh.encoder.submodule.fc.weight.zero_()
+    checkpoint.load(fresh, None, str(tmp_path))
+    assert torch.equal(fresh.encoder.submodule.fc.weight, saved.encoder.submodule.fc.weight)
