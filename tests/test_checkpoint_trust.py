@@ -1,6 +1,7 @@
 """Checkpoints you can trust (issue 25): a saved quantization state is data that `tq.restore`
 checks before it changes anything, and never a reason to import code; checkpoint names keep the
-user's own components."""
+user's own components; a model without data (meta device) is refused with a message that names
+the tensor and what to do."""
 
 from __future__ import annotations
 
@@ -149,6 +150,29 @@ def test_checkpoint_names_strip_whole_wrapper_components():
     model.layers[0] = checkpoint_wrapper(model.layers[0])
     names = set(quantization_metadata(torch.compile(model, backend="aot_eager")))
     assert names == {"layers.0.mlp.fc1", "encoder.submodule.fc"}
+
+
+# --------------------------------------------------------------------------------------------
+# Meta-device models
+# --------------------------------------------------------------------------------------------
+def test_meta_model_errors_name_the_tensor_and_the_fix(tmp_path):
+    """A model built on the meta device failed with "Tensor.item() cannot be called on meta tensors"
+    (calibrate, export) or was saved as a state of meta amaxes (quant_state)."""
+    with pytest.raises(ValueError, match=r"tq.calibrate: parameter '0\.weight' is on the meta device.*load_state_dict"):
+        tq.calibrate(_meta_mlp(), tq.configs.int8(), lambda m: m(torch.randn(4, 32)))
+    prepared = tq.calibration.prepare(_meta_mlp(), tq.configs.int8())  # the structure only, as restore builds it
+    assert prepared[0].weight_quantizer.amax.shape == (32, 1)
+    converted = tq.convert(_meta_mlp(), tq.recipes.fp8_tensorwise())  # legitimate: export(checkpoint=...) reads such a skeleton
+    with pytest.raises(ValueError, match=r"tq.export: .*'0\.weight' is on the meta device.*checkpoint="):
+        tq.export(converted, str(tmp_path / "out"))
+    restored = tq.restore(_meta_mlp(), _state())  # the structure only: restore and summary work on it
+    assert "amax(32, 1) on meta" in str(tq.summary(restored))
+    with pytest.raises(ValueError, match=r"tq.quant_state: the input amax of '0' is on the meta device"):
+        tq.quant_state(restored)
+    state = _state()
+    state["modules"]["0"]["weight"]["amax"] = torch.ones(32, 1, device="meta")
+    with pytest.raises(ValueError, match=r"tq.restore: the weight amax of '0' is on the meta device"):
+        tq.restore(_mlp(), state)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process, on purpose

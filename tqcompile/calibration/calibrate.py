@@ -45,6 +45,7 @@ from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
     FakeQuantModule,
     canonical_modules,
+    check_not_meta,
     class_name,
     convert_module,
     holds_quantizers,
@@ -137,7 +138,8 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                     f"quantizers; disable it with a rule such as QuantRule(name={name!r}, {slot}=False)"
                 )
         wq = quantizers["weight"]
-        if wq is not None and not bool(torch.isfinite(module.weight.detach()).all()):
+        # A meta weight has no values to check: only `prepare` (structure only) gets here with one.
+        if wq is not None and not module.weight.is_meta and not bool(torch.isfinite(module.weight.detach()).all()):
             bad = "NaN" if bool(torch.isnan(module.weight.detach()).any()) else "Inf"
             raise ValueError(
                 f"tq.calibrate: the weight of module {name!r} holds {bad} values; quantization would hide them "
@@ -239,6 +241,12 @@ def calibrate(
     groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
     if not isinstance(sequential, bool):
         raise ValueError(f"tq.calibrate: sequential={sequential!r} is not allowed; allowed: True or False")
+    check_not_meta(
+        model,
+        "tq.calibrate",
+        "calibration runs data through the real weights: materialize them first, e.g. model.to_empty(device='cpu') "
+        "then model.load_state_dict(weights), or load the model without device_map='meta'",
+    )
     planned = plan(model, config)
     _warn_training(model)
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}

@@ -53,6 +53,7 @@ __all__ = [
     "unconvert_module",
     "weight_view",
     "static_amax_shape",
+    "check_not_meta",
     "base_class",
     "swap_class",
 ]
@@ -353,6 +354,21 @@ def module_device(module: nn.Module) -> torch.device:
     for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
         return t.device
     return torch.device("cpu")
+
+
+def check_not_meta(model: nn.Module, who: str, fix: str) -> None:
+    """Refuse a model with a parameter or buffer on the meta device (shapes, no values), naming the
+    first one: a meta tensor fails far from the cause ("Tensor.item() cannot be called on meta
+    tensors"). `fix`: what to do instead."""
+    for name, module in canonical_modules(model):
+        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for key, t in tensors.items():
+                if t is not None and t.is_meta:
+                    full = f"{name}.{key}" if name else key
+                    raise ValueError(
+                        f"{who}: {kind} {full!r} is on the meta device (a shape without values: the model was built under "
+                        f"torch.device('meta') or loaded with device_map='meta'); {fix}"
+                    )
 
 
 def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,12 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
         entry: dict[str, Any] = {"kind": kind_of(module)[0]}
         for s, q in qs.items():
             amax = None if q.amax is None else q.amax.detach()
+            if amax is not None and amax.is_meta:
+                raise ValueError(
+                    f"tq.quant_state: the {s} amax of {name!r} is on the meta device (it holds no values: the model was "
+                    "built, prepared or restored on the meta device); save the state of a model with real weights, "
+                    "calibrated or restored on a real device"
+                )
             if amax is not None and expert_mesh is not None and q.num_experts is not None and amax.dim() > 0:
                 from torch.distributed.tensor import DTensor, Shard
 
@@ -289,6 +295,8 @@ def _describe(q: TensorQuantizer) -> str:
     text = describe_quantizer(q.quantizer)
     if q.amax is None:
         return f"{text} (dynamic)"
+    if q.amax.is_meta:  # a restored or prepared skeleton: a shape, no values
+        return f"{text} amax{tuple(q.amax.shape)} on meta"
     a = q.amax.float()
     if a.numel() == 1:
         return f"{text} amax={float(a):.4g}"

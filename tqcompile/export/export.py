@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules
+from tqcompile.calibration.modules import FUSED_SIBLINGS, canonical_modules, check_not_meta
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.names import Placement, is_hf_model, placements
@@ -292,6 +292,13 @@ def export(
     Returns:
         An `ExportReport` (printable): one row per quantized layer with the scheme written.
     """
+    if checkpoint is None:  # with a checkpoint, a meta model is the intended skeleton
+        check_not_meta(
+            model,
+            "tq.export",
+            "export the model with its weights loaded, or pass checkpoint=<a tq.distributed.checkpoint.save directory> "
+            "to read the tensors from there (the model then only gives the structure)",
+        )
     if format not in FORMATS:
         raise ValueError(f"tq.export: format={format!r} is not allowed; allowed: {', '.join(map(repr, FORMATS))}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
