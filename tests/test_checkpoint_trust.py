@@ -122,6 +122,14 @@ def test_restore_refuses_an_amax_of_the_wrong_shape(config, slot, shape, want):
     assert type(model[0]) is nn.Linear
 
 
+@pytest.mark.parametrize(("amax", "got"), [(1.5, "float"), (torch.tensor(3), "a torch.int64 tensor")])
+def test_restore_refuses_an_amax_that_is_no_float_tensor(amax, got):
+    state = _state()
+    state["modules"]["0"]["input"]["amax"] = amax
+    with pytest.raises(ValueError, match=f"the input amax of '0' is {got}; allowed: a floating-point tensor"):
+        tq.restore(_mlp(), state)
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoint names
 # --------------------------------------------------------------------------------------------

@@ -323,7 +323,10 @@ def _resolve_class(name: Any, known: dict[str, list[type]]) -> type:
     if len(found) == 1:
         return found[0]
     if found:  # e.g. a class defined in a function that ran twice: which one the rule meant is unknown
-        raise ConfigError(f"QuantRule.from_dict: module_types entry {name!r} names {len(found)} different classes of the model")
+        raise ConfigError(
+            f"QuantRule.from_dict: module_types entry {name!r} names {len(found)} different classes of the model; allowed: "
+            "a name of one class (define the class once, at module level, or match those modules by name)"
+        )
     short = name.rpartition(".")[2]
     raise ConfigError(
         f"QuantRule.from_dict: module_types entry {name!r} is not a class of the model (the module_types given) nor one registered with tq; "

@@ -210,8 +210,8 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     dead = h.diagonal() == 0  # inputs always zero: any weight there is free; make them zero
     if bool(dead.all()):
         # No input ever non-zero: the data says nothing about the weight, and zeroing all of it (its
-        # amax too) would throw the layer away for data that does reach it (held-out error 0.96 vs
-        # round to nearest's 0.097, measured). Keep the weight, rounded to nearest.
+        # amax too) throws the layer away for data that does reach it (held-out relative output error
+        # 0.98 vs round to nearest's 0.0035 on tests/test_gptq.py's layer). Keep it, rounded to nearest.
         warnings.warn(
             f"GPTQ: the calibration inputs of {name!r} are all zero (its Hessian is zero: no information); "
             "it is rounded to nearest instead",

@@ -167,7 +167,8 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
     _check_state(state)
     # A state is data: its rules' class names resolve among the model's own classes (a class defined
     # in a function or in another script's __main__ included) and registered ones, never by import.
-    config = QuantConfig.from_dict(state["config"], module_types={c for m in model.modules() for c in type(m).__mro__})
+    own = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module)}
+    config = QuantConfig.from_dict(state["config"], module_types=own)
     ste = config.ste
     current: dict[str, nn.Module] = {}
     parent_reads = read_by_parent(model)
