@@ -8,8 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
+import tqcompile as tq
 from tqcompile.calibration import fake_quantize
+from tqcompile.calibration.fake_quant import round_to_nearest, static_weight_amax
 from tqcompile.calibration.gptq import GPTQ, _gptq, _requantize_moved_blocks, gptq_quantize, hessian
 from tqcompile.formats import E2M1_VALUES, Format
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, ScaleRounding
@@ -84,6 +87,36 @@ def test_dead_inputs_and_singular_hessian():
     with pytest.warns(UserWarning, match="stays singular"):
         _, _, how = gptq_quantize(w, nan_h, QUANTIZERS["int8_channel"], name="layer.q_proj")
     assert how == "rtn"
+
+
+def test_all_zero_inputs_fall_back_to_round_to_nearest():
+    """Calibration inputs that are all zero (a zero Hessian: no information about the weight) made
+    GPTQ set the whole weight and its amax to 0, labelled "gptq", without a word. Now the weight is
+    rounded to nearest, with a warning, like a singular Hessian."""
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    for name, q in QUANTIZERS.items():
+        with pytest.warns(UserWarning, match=r"'layer.fc'.*all zero.*rounded to nearest"):
+            out, amax, how = gptq_quantize(w, hessian(torch.zeros(8, 64)), q, name="layer.fc")
+        assert how == "rtn", name
+        assert torch.equal(out, round_to_nearest(w, q)), name
+        assert amax is None or torch.equal(amax, static_weight_amax(w, q)), name
+
+
+def test_calibrate_labels_a_layer_with_all_zero_inputs_rtn():
+    """Through tq.calibrate: the layer after a ReLU that is never positive keeps its weight rounded
+    to nearest (not zero) and `tq.summary` says "rtn"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # every ReLU output is 0: the last layer's inputs carry nothing
+    w = model[2].weight.detach().clone()
+    x = torch.randn(64, 32)
+    with pytest.warns(UserWarning, match=r"'2'.*all zero.*rounded to nearest"):
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(x), algorithm="gptq", progress=False)
+    q = model[2].weight_quantizer.quantizer
+    assert torch.equal(model[2].weight, round_to_nearest(w, q))
+    assert torch.equal(model[2].weight_quantizer.amax, static_weight_amax(w, q))
+    assert {r.name: r.method for r in tq.summary(model).rows}["2"] == "rtn"
 
 
 def _grid(fmt: Format) -> torch.Tensor:

@@ -73,6 +73,14 @@ def test_unknown_recipe_name():
         tq.recipes.get("fp9")
 
 
+def test_unknown_recipe_key_names_it_and_the_allowed():
+    """`RECIPES["fp8"]` raised a bare KeyError('fp8')."""
+    with pytest.raises(KeyError, match=r"^unknown recipe 'fp8'; allowed: fp8_tensorwise, .*nvfp4, fp8_delayed"):
+        tq.recipes.RECIPES["fp8"]
+    assert "fp8" not in tq.recipes.RECIPES and tq.recipes.RECIPES.get("fp8") is None
+    assert tq.recipes.RECIPES["mxfp8"]() == tq.recipes.mxfp8()
+
+
 # ---------------------------------------------------------------------------------------------
 # Invalid recipes
 # ---------------------------------------------------------------------------------------------

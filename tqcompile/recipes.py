@@ -199,9 +199,21 @@ def fp8_delayed(amax_history_len: int = 16) -> Recipe:
     return dataclasses.replace(fp8_tensorwise(), name="fp8_delayed", amax_history_len=amax_history_len)
 
 
-RECIPES = {
-    f.__name__: f for f in (fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, fp8_blockwise, mxfp8, nvfp4, fp8_delayed)
-}
+class _UnknownRecipe(KeyError):
+    def __str__(self) -> str:  # KeyError's own quotes the message like a key
+        return str(self.args[0])
+
+
+class _Recipes(dict):
+    """{name: constructor}; looking up an unknown name raises a KeyError that names it and the allowed ones."""
+
+    def __missing__(self, name):
+        raise _UnknownRecipe(f"unknown recipe {name!r}; allowed: {', '.join(self)}")
+
+
+RECIPES = _Recipes(
+    (f.__name__, f) for f in (fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, fp8_blockwise, mxfp8, nvfp4, fp8_delayed)
+)
 
 
 def get(name: str) -> Recipe:

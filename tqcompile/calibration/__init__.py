@@ -8,7 +8,7 @@ same quantizers, ops and kernels as training. See docs/ptq.md and docs/qat.md.
 
 from tqcompile.calibration.algorithms import AWQ, GPTQ, SmoothQuant
 from tqcompile.calibration.calibrate import ALGORITHMS, CalibrationWarning, calibrate, prepare
-from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule
+from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule, register_module_type
 from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize, fake_quantize_grouped
 from tqcompile.calibration.modules import ExpertGemmQuantizers, FakeQuantModule
 from tqcompile.calibration.state import QuantSummary, SummaryRow, quant_state, reattach, restore, summary
@@ -24,6 +24,7 @@ __all__ = [
     "QuantConfig",
     "QuantRule",
     "ConfigError",
+    "register_module_type",
     "fake_quantize",
     "fake_quantize_grouped",
     "TensorQuantizer",

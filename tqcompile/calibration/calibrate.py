@@ -48,6 +48,7 @@ from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
     FakeQuantModule,
     canonical_modules,
+    check_not_meta,
     class_name,
     convert_module,
     holds_quantizers,
@@ -56,6 +57,7 @@ from tqcompile.calibration.modules import (
     params_owner,
     quant_units,
     read_by_parent,
+    static_amax_shape,
     unconvert_module,
     unsupported_reason,
     weight_view,
@@ -77,7 +79,7 @@ _WEIGHT_MSE_RATIOS = 40  # clipping ratios 0.5 ... 1.0 tried per weight unit
 class CalibrationRecord:
     """What `tq.quant_state` saves besides the amaxes (kept on the calibrated model)."""
 
-    config: QuantConfig | dict  # a dict: restored from a state whose rules name classes this process cannot import
+    config: QuantConfig
     algorithm: str
     percentile: float
 
@@ -139,7 +141,8 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                     f"quantizers; disable it with a rule such as QuantRule(name={name!r}, {slot}=False)"
                 )
         wq = quantizers["weight"]
-        if wq is not None and not bool(torch.isfinite(module.weight.detach()).all()):
+        # A meta weight has no values to check: only `prepare` (structure only) gets here with one.
+        if wq is not None and not module.weight.is_meta and not bool(torch.isfinite(module.weight.detach()).all()):
             bad = "NaN" if bool(torch.isnan(module.weight.detach()).any()) else "Inf"
             raise ValueError(
                 f"tq.calibrate: the weight of module {name!r} holds {bad} values; quantization would hide them "
@@ -241,6 +244,12 @@ def calibrate(
     groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
     if not isinstance(sequential, bool):
         raise ValueError(f"tq.calibrate: sequential={sequential!r} is not allowed; allowed: True or False")
+    check_not_meta(
+        model,
+        "tq.calibrate",
+        "calibration runs data through the real weights: materialize them first, e.g. model.to_empty(device='cpu') "
+        "then model.load_state_dict(weights), or load the model without device_map='meta'",
+    )
     planned = plan(model, config)
     _warn_training(model)
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
@@ -317,16 +326,9 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     for p in planned:
         m = p.module
         for slot, t in m.quantizers().items():
-            kind = t.static_kind
-            if kind is None:
-                continue
-            device = module_device(m)
-            if slot == "weight":
-                w = weight_view(m, m.weight)
-                shape = t.quantizer.scale_shape(w.shape) if kind == "unit" else ((w.shape[0], 1, 1) if t.num_experts else ())
-            else:
-                shape = (t.num_experts,) if t.num_experts else ()
-            t.set_amax(torch.zeros(shape, device=device))
+            shape = static_amax_shape(m, slot, t.quantizer)
+            if shape is not None:
+                t.set_amax(torch.zeros(shape, device=module_device(m)))
     set_record(model, [p.module for p in planned], CalibrationRecord(config, "max", 99.99))
     return model
 

@@ -20,6 +20,11 @@ Each quantizer slot of a rule is `None` (leave as earlier rules set it), `False`
 `tq.Quantizer` (enable with it). Configs are frozen values: comparable, hashable, and serialisable
 with `to_dict()` / `QuantConfig.from_dict()` (plain Python types, so a saved quant state loads
 with ``torch.load(..., weights_only=True)``).
+
+A serialised rule names its module classes as ``"package.module.ClassName"``. A saved config is
+data, maybe from someone else: `from_dict` resolves such a name only among the classes it is given
+(`tq.restore` gives the classes of the model's modules and their bases) and those registered with
+`register_module_type` (tq registers the classes its presets name), and never imports anything.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
-import importlib
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
@@ -35,7 +40,7 @@ from torch import nn
 from tqcompile.formats import Format
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
 
-__all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS"]
+__all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "register_module_type", "module_type_name"]
 
 SLOTS = ("input", "weight", "output")
 STE_MODES = ("clipped", "plain")
@@ -51,9 +56,33 @@ class ConfigError(ValueError):
     """A config that cannot be used: the message names the field, the value and what is allowed."""
 
 
-class ModuleTypeImportError(ConfigError):
-    """A serialised rule names a module class this process cannot import (e.g. one defined inside a
-    function, or in another script's ``__main__``)."""
+# Classes a serialised rule may name whatever model it is restored into: by name, see `register_module_type`.
+_REGISTERED_MODULE_TYPES: dict[str, type] = {}
+
+
+def module_type_name(cls: type) -> str:
+    """How a rule's module class is written in a saved config: ``"package.module.ClassName"``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_module_type(*classes: type) -> None:
+    """Let saved configs name `classes` in their rules' `module_types`, also when restoring into a
+    model that does not contain them (`tq.restore` resolves names among the model's own classes
+    and these, and imports nothing).
+
+    Example:
+        >>> tq.calibration.register_module_type(MyAttention)
+    """
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ConfigError(f"register_module_type: {cls!r} is not allowed; allowed: nn.Module subclasses, e.g. nn.Linear")
+        _REGISTERED_MODULE_TYPES[module_type_name(cls)] = cls
+
+
+# The torch classes the presets (tq.configs) and the quantizable kinds name; tq's own register where defined.
+register_module_type(
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, *_BATCH_NORMS, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding
+)
 
 
 def _family(cls: type) -> tuple[type, ...]:
@@ -137,13 +166,15 @@ class QuantRule:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "module_types": [f"{t.__module__}.{t.__qualname__}" for t in self.module_types],
+            "module_types": [module_type_name(t) for t in self.module_types],
             **{f: _slot_to_dict(getattr(self, f)) for f in SLOTS},
             "must_match": self.must_match,
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> QuantRule:
+    def from_dict(cls, d: dict[str, Any], module_types: Iterable[type] = ()) -> QuantRule:
+        """The rule `to_dict` wrote; class names resolve among `module_types` and the registered
+        classes (`register_module_type`), never by import."""
         if not isinstance(d, dict):
             raise ConfigError(f"QuantRule.from_dict: expected a dict, got {type(d).__name__}")
         unknown = set(d) - {"name", "module_types", *SLOTS, "must_match"}
@@ -151,9 +182,13 @@ class QuantRule:
             raise ConfigError(
                 f"QuantRule.from_dict: unknown fields {sorted(unknown)}; allowed: name, module_types, input, weight, output, must_match"
             )
+        known = _known_classes(module_types)
+        names = d.get("module_types", ())
+        if not isinstance(names, list | tuple):
+            raise ConfigError(f"QuantRule.from_dict: module_types={names!r} is not allowed; allowed: a list of class names")
         return cls(
             d.get("name"),
-            tuple(_import_class(p) for p in d.get("module_types", ())),
+            tuple(_resolve_class(n, known) for n in names),
             **{f: _slot_from_dict(f, d.get(f)) for f in SLOTS},
             must_match=d.get("must_match", True),
         )
@@ -213,13 +248,21 @@ class QuantConfig:
         return {"rules": [r.to_dict() for r in self.rules], "ste": self.ste}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
+    def from_dict(cls, d: dict[str, Any], module_types: Iterable[type] = ()) -> QuantConfig:
+        """The config `to_dict` wrote. A rule's class names resolve among `module_types` and the
+        classes registered with `register_module_type`; nothing is imported (a config is data), so
+        a name found in neither raises, naming it.
+
+        Example:
+            >>> QuantConfig.from_dict(d, module_types=[type(m) for m in model.modules()])
+        """
         if not isinstance(d, dict):
             raise ConfigError(f"QuantConfig.from_dict: expected a dict, got {type(d).__name__}")
         unknown = set(d) - {"rules", "ste"}
         if unknown:
             raise ConfigError(f"QuantConfig.from_dict: unknown fields {sorted(unknown)}; allowed: rules, ste")
-        return cls(tuple(QuantRule.from_dict(r) for r in d.get("rules", ())), d.get("ste", "clipped"))
+        module_types = tuple(module_types)
+        return cls(tuple(QuantRule.from_dict(r, module_types) for r in d.get("rules", ())), d.get("ste", "clipped"))
 
 
 def quantizer_to_dict(q: Quantizer) -> dict[str, Any]:
@@ -263,16 +306,31 @@ def _slot_from_dict(field: str, v: Any) -> Quantizer | bool | None:
     return quantizer_from_dict(v, where=f"QuantRule.{field}")
 
 
-def _import_class(path: str) -> type:
-    if not isinstance(path, str) or "." not in path:
-        raise ConfigError(f"QuantRule.from_dict: module_types entry {path!r} is not allowed; allowed: 'package.module.ClassName'")
-    module, _, qualname = path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module)
-    except ImportError as e:
-        raise ModuleTypeImportError(f"QuantRule.from_dict: cannot import {module!r} for module type {path!r}: {e}") from None
-    # A nested class (qualname with dots) is not supported: the module part would be ambiguous.
-    cls = getattr(obj, qualname, None)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ModuleTypeImportError(f"QuantRule.from_dict: {path!r} is not an nn.Module class")
-    return cls
+def _known_classes(module_types: Iterable[type]) -> dict[str, list[type]]:
+    """{name: the distinct classes of that name} among `module_types` and the registered classes."""
+    known: dict[str, list[type]] = {}
+    for c in (*module_types, *_REGISTERED_MODULE_TYPES.values()):
+        same = known.setdefault(module_type_name(c), [])
+        if c not in same:
+            same.append(c)
+    return known
+
+
+def _resolve_class(name: Any, known: dict[str, list[type]]) -> type:
+    if not isinstance(name, str) or "." not in name:
+        raise ConfigError(f"QuantRule.from_dict: module_types entry {name!r} is not allowed; allowed: 'package.module.ClassName'")
+    found = known.get(name, [])
+    if len(found) == 1:
+        return found[0]
+    if found:  # e.g. a class defined in a function that ran twice: which one the rule meant is unknown
+        raise ConfigError(
+            f"QuantRule.from_dict: module_types entry {name!r} names {len(found)} different classes of the model; allowed: "
+            "a name of one class (define the class once, at module level, or match those modules by name)"
+        )
+    short = name.rpartition(".")[2]
+    raise ConfigError(
+        f"QuantRule.from_dict: module_types entry {name!r} is not a class of the model (the module_types given) nor one registered with tq; "
+        "a saved config is data and tq never imports what it names. Allowed: the classes of the model's modules "
+        f"(and their bases) and registered ones; if {name!r} is yours, register it before restoring: "
+        f"tq.calibration.register_module_type({short})"
+    )

@@ -30,13 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tqcompile.calibration.config import SLOTS
-from tqcompile.calibration.fake_quant import TensorQuantizer
+from tqcompile.calibration.config import SLOTS, register_module_type
+from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.fused import FUSED_SIBLINGS  # re-exported: its home is fused.py
 from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, experts_layout
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.ops.grouped_gemm import equal_ends, expert_ids, grouped_mm
+from tqcompile.quantizers import Quantizer
 
 __all__ = [
     "FakeQuantModule",
@@ -52,6 +53,8 @@ __all__ = [
     "convert_module",
     "unconvert_module",
     "weight_view",
+    "static_amax_shape",
+    "check_not_meta",
     "base_class",
     "swap_class",
 ]
@@ -220,6 +223,7 @@ _KINDS: tuple[tuple[type, str, type, tuple[str, ...]], ...] = (
     (nn.RMSNorm, "RMSNorm", _LastDimNormFQ, ("input", "output")),
     (nn.Embedding, "Embedding", _EmbeddingFQ, ("weight", "output")),
 )
+register_module_type(GroupedLinear, ExpertGemmQuantizers)  # the GEMM classes tq.configs' presets name
 _FORWARD_OWNER = {
     GroupedLinear: GroupedLinear,
     nn.Linear: nn.Linear,
@@ -339,9 +343,38 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_not_meta(model: nn.Module, who: str, fix: str) -> None:
+    """Refuse a model with a parameter or buffer on the meta device (shapes, no values), naming the
+    first one: a meta tensor fails far from the cause ("Tensor.item() cannot be called on meta
+    tensors"). `fix`: what to do instead."""
+    for name, module in canonical_modules(model):
+        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for key, t in tensors.items():
+                if t is not None and t.is_meta:
+                    full = f"{name}.{key}" if name else key
+                    raise ValueError(
+                        f"{who}: {kind} {full!r} is on the meta device (a shape without values: the model was built under "
+                        f"torch.device('meta') or loaded with device_map='meta'); {fix}"
+                    )
+
+
 def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The view of a weight its weight quantizer sees: a conv's (out, in/groups * kernel) GEMM matrix."""
     return weight.flatten(1) if isinstance(module, nn.modules.conv._ConvNd) else weight
+
+
+def static_amax_shape(module: nn.Module, slot: str, q: Quantizer | None) -> tuple[int, ...] | None:
+    """The shape of the static amax `q` keeps for `slot` of `module` (None: it keeps none): () per
+    tensor, one per expert for the input (E,) and weight (E, 1, 1) of an experts unit, or the
+    weight quantizer's scale shape."""
+    kind = static_amax_kind(q, slot)
+    if kind is None:
+        return None
+    experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS and slot != "output" else None
+    if slot == "weight":
+        w = weight_view(module, module.weight)
+        return tuple(q.scale_shape(w.shape)) if kind == "unit" else ((w.shape[0], 1, 1) if experts else ())
+    return (experts,) if experts else ()
 
 
 def _fake_quant_class(base: type, mixin: type) -> type:

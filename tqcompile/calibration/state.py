@@ -25,8 +25,8 @@ from torch import nn
 
 from tqcompile.calibration.algorithms import SCALE_SEARCH
 from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, check_not_sharded, set_record
-from tqcompile.calibration.config import SLOTS, ModuleTypeImportError, QuantConfig, quantizer_from_dict, quantizer_to_dict
-from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
+from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
+from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
@@ -40,9 +40,9 @@ from tqcompile.calibration.modules import (
     params_owner,
     quant_units,
     read_by_parent,
+    static_amax_shape,
     swap_class,
     unsupported_reason,
-    weight_view,
 )
 from tqcompile.quantizers import Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
@@ -122,6 +122,12 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
         entry: dict[str, Any] = {"kind": kind_of(module)[0]}
         for s, q in qs.items():
             amax = None if q.amax is None else q.amax.detach()
+            if amax is not None and amax.is_meta:
+                raise ValueError(
+                    f"tq.quant_state: the {s} amax of {name!r} is on the meta device (it holds no values: the model was "
+                    "built, prepared or restored on the meta device); save the state of a model with real weights, "
+                    "calibrated or restored on a real device"
+                )
             if amax is not None and expert_mesh is not None and q.num_experts is not None and amax.dim() > 0:
                 from torch.distributed.tensor import DTensor, Shard
 
@@ -132,7 +138,7 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
         modules[name] = entry
     return {
         "format": STATE_FORMAT,
-        "config": rec.config.to_dict() if isinstance(rec.config, QuantConfig) else rec.config,
+        "config": rec.config.to_dict(),
         "algorithm": rec.algorithm,
         "percentile": rec.percentile,
         "modules": modules,
@@ -160,15 +166,11 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         >>> model = tq.restore(build_model(), torch.load("quant_state.pt", weights_only=True))
     """
     _check_state(state)
-    try:
-        config = QuantConfig.from_dict(state["config"])
-        ste = config.ste
-    except ModuleTypeImportError:
-        # Restoring needs only each module's saved quantizers and the STE, not the rules: a rule naming
-        # a class this process cannot import (defined in a function, another script's __main__) must
-        # not block it. The config is kept as saved, so quant_state saves it unchanged.
-        config = QuantConfig.from_dict({**state["config"], "rules": []})  # validates the rest (ste)
-        ste, config = config.ste, state["config"]
+    # A state is data: its rules' class names resolve among the model's own classes (a class defined
+    # in a function or in another script's __main__ included) and registered ones, never by import.
+    own = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module)}
+    config = QuantConfig.from_dict(state["config"], module_types=own)
+    ste = config.ste
     current: dict[str, nn.Module] = {}
     parent_reads = read_by_parent(model)
     for name, module in quant_units(model):
@@ -240,26 +242,38 @@ def _own_shard(amax: torch.Tensor | None) -> torch.Tensor | None:
     return amax.to_local() if isinstance(amax, DTensor) else amax
 
 
-def _check_amax(name: str, module: nn.Module, slot: str, q: Quantizer | None, amax: torch.Tensor | None) -> None:
-    kind = static_amax_kind(q, slot)
-    if kind is None:
+def _check_amax(name: str, module: nn.Module, slot: str, q: Quantizer | None, amax: Any) -> None:
+    """Refuse, naming it, an amax the model could not compute with: missing or unexpected, not a
+    tensor, without values (meta), non-finite, or of another shape than calibration gives."""
+    want = static_amax_shape(module, slot, q)
+    if want is None:
         if amax is not None:
             raise ValueError(f"tq.restore: the state has an amax for the {slot} quantizer of {name!r}, whose {q!r} takes none")
         return
     if amax is None:
         raise ValueError(f"tq.restore: the state lacks the amax of the {slot} quantizer of {name!r} ({q!r})")
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        got = f"a {amax.dtype} tensor" if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise ValueError(f"tq.restore: the {slot} amax of {name!r} is {got}; allowed: a floating-point tensor")
+    if amax.is_meta:
+        raise ValueError(
+            f"tq.restore: the {slot} amax of {name!r} is on the meta device (it holds no values): the state was saved "
+            "from a model without data; save it from the calibrated model"
+        )
     experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS else None
     if experts is not None and slot != "output" and amax.dim() > 0 and amax.shape[0] != experts:
         raise ValueError(
             f"tq.restore: the {slot} amax of {name!r} holds {amax.shape[0]} experts; the model's module has {experts} "
             "(an expert-parallel state: load it with torch.distributed.checkpoint into tq.calibration.prepare(model, config))"
         )
-    if slot == "weight" and kind == "unit":
-        want = q.scale_shape(weight_view(module, module.weight).shape)
-        if tuple(amax.shape) != tuple(want):
-            raise ValueError(
-                f"tq.restore: the weight amax of {name!r} has shape {tuple(amax.shape)}; the model's weight needs {tuple(want)}"
-            )
+    if tuple(amax.shape) != want:
+        raise ValueError(f"tq.restore: the {slot} amax of {name!r} has shape {tuple(amax.shape)}; the model's {slot} needs {want}")
+    if not bool(torch.isfinite(amax).all()):
+        bad = "NaN" if bool(torch.isnan(amax).any()) else "inf"
+        raise ValueError(
+            f"tq.restore: the {slot} amax of {name!r} holds {bad}; allowed: finite amaxes (a calibrated state has only "
+            "finite ones: the file is damaged or was edited)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,6 +306,8 @@ def _describe(q: TensorQuantizer) -> str:
     text = describe_quantizer(q.quantizer)
     if q.amax is None:
         return f"{text} (dynamic)"
+    if q.amax.is_meta:  # a restored or prepared skeleton: a shape, no values
+        return f"{text} amax{tuple(q.amax.shape)} on meta"
     a = q.amax.float()
     if a.numel() == 1:
         return f"{text} amax={float(a):.4g}"

@@ -43,7 +43,7 @@ __all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError"]
 
 _KEY = "tqcompile_quantization"
 _FUSED_KEY = "tqcompile_fused_chunks"
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_WRAPPER_COMPONENTS = frozenset(("_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
 
 
 class CheckpointMismatchError(ValueError):
@@ -51,15 +51,25 @@ class CheckpointMismatchError(ValueError):
 
 
 def _clean(fqn: str) -> str:
-    # Wrappers (compile, DDP, activation checkpointing) add prefixes that are not part of the model.
-    for prefix in _WRAPPER_PREFIXES:
+    # Wrappers (compile, DDP, activation checkpointing) add components that are not part of the model.
+    # Whole components only: a substring match turned a user's "encoder.submodule.fc" into "encoder.subfc".
+    return ".".join(c for c in fqn.split(".") if c not in _WRAPPER_COMPONENTS)
+
+
+def _legacy_clean(fqn: str) -> str:
+    """The name checkpoints written before `_clean` kept whole components hold (substrings removed)."""
+    for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
         fqn = fqn.replace(prefix, "")
     return fqn
 
 
 def quantization_metadata(model: nn.Module) -> dict[str, str]:
-    """{layer name: its recipe's repr} for every converted layer of `model` (wrapper prefixes removed)."""
-    return {_clean(name): repr(m.recipe) for name, m in model.named_modules() if is_converted(m)}
+    """{layer name: its recipe's repr} for every converted layer of `model` (wrapper components removed)."""
+    return _layer_recipes(model, _clean)
+
+
+def _layer_recipes(model: nn.Module, clean) -> dict[str, str]:
+    return {clean(name): repr(m.recipe) for name, m in model.named_modules() if is_converted(m)}
 
 
 def _plain(value):
@@ -265,7 +275,11 @@ def load(
         meta = {_KEY: ""}
         _load_metadata(meta, checkpoint_id)
         meta[_FUSED_KEY] = "{}"
-    _check(json.loads(meta[_KEY]), quantization_metadata(model), checkpoint_id)
+    saved_layers, current = json.loads(meta[_KEY]), quantization_metadata(model)
+    if saved_layers.keys() != current.keys():
+        legacy = _layer_recipes(model, _legacy_clean)
+        current = legacy if saved_layers.keys() == legacy.keys() else current  # an older checkpoint's names
+    _check(saved_layers, current, checkpoint_id)
     saved_fused = json.loads(meta[_FUSED_KEY])
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:

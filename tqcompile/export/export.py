@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tqcompile.calibration.fused import FUSED_SIBLINGS, fused_nvfp4_groups, shared_amax
-from tqcompile.calibration.modules import canonical_modules
+from tqcompile.calibration.modules import canonical_modules, check_not_meta
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.files import Destination
@@ -306,6 +306,13 @@ def export(
     Returns:
         An `ExportReport` (printable): one row per quantized layer with the scheme written.
     """
+    if checkpoint is None:  # with a checkpoint, a meta model is the intended skeleton
+        check_not_meta(
+            model,
+            "tq.export",
+            "export the model with its weights loaded, or pass checkpoint=<a tq.distributed.checkpoint.save directory> "
+            "to read the tensors from there (the model then only gives the structure)",
+        )
     if format not in FORMATS:
         raise ValueError(f"tq.export: format={format!r} is not allowed; allowed: {', '.join(map(repr, FORMATS))}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
