@@ -12,6 +12,7 @@ from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule, re
 from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize, fake_quantize_grouped
 from tqcompile.calibration.modules import ExpertGemmQuantizers, FakeQuantModule
 from tqcompile.calibration.state import QuantSummary, SummaryRow, quant_state, reattach, restore, summary
+from tqcompile.calibration.weight_only import weight_only
 
 __all__ = [
     "calibrate",
@@ -36,4 +37,5 @@ __all__ = [
     "summary",
     "QuantSummary",
     "SummaryRow",
+    "weight_only",
 ]
