@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="PNG to write: loss, loss gap to bf16 and step time per recipe; 'none' to skip (default: %(default)s)",
     )
     demo.add_argument(
+        "--results",
+        default=None,
+        help="also write the runs' losses, step times and compile counts to this JSON file (docs/demo.md's figures "
+        "come from one: --plot docs/img/demo.png --results docs/img/demo_run.json)",
+    )
+    demo.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -151,11 +157,14 @@ def _progress(line: str) -> None:
 
 def _report(args: argparse.Namespace, results, table: str, cfg, layout: str | None = None) -> int:
     """Print the table and draw the picture (unless --plot none); the exit status: 1 if a run broke its graph."""
-    from tqcompile.demo import plot_losses
+    from tqcompile.demo import plot_losses, save_results
 
     print(table)
     if args.plot.lower() != "none":
         print(plot_losses(results, args.plot, cfg, layout=layout))
+    if args.results is not None:
+        save_results(results, cfg, args.results, plot=None if args.plot.lower() == "none" else args.plot)
+        print(f"results written to {args.results}")
     return 1 if any(r.error is not None and r.graph_breaks for r in results) else 0
 
 

@@ -15,7 +15,7 @@ package (only the `tqcompile` command, the tests, the benchmarks and the docs do
 from tqcompile.demo.model import GPT, GPTConfig, is_quantized_layer, quantize_model
 from tqcompile.demo.parallel import parallelize, parallelize_gpt
 from tqcompile.demo.plot import ema, plot_losses
-from tqcompile.demo.report import format_sharded_table, format_table
+from tqcompile.demo.report import format_sharded_table, format_table, load_results, save_results
 from tqcompile.demo.training import (
     BASELINE,
     DEFAULT_RECIPES,
@@ -46,6 +46,8 @@ __all__ = [
     "run_demo",
     "format_table",
     "format_sharded_table",
+    "save_results",
+    "load_results",
     "ema",
     "plot_losses",
 ]

@@ -4,6 +4,12 @@ columns mean."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +17,7 @@ import torch
 from tqcompile.demo.sharded import ShardedRunResult, layout_name, process_group_backend
 from tqcompile.demo.training import BASELINE, DemoConfig, RunResult, final_window
 
-__all__ = ["format_table", "format_sharded_table"]
+__all__ = ["format_table", "format_sharded_table", "save_results", "load_results"]
 
 
 def _fmt_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -147,3 +153,33 @@ def format_sharded_table(results: Sequence[ShardedRunResult], cfg: DemoConfig, f
         "counted at the collective; vs bf16 bytes: that over the bf16 run's",
     ]
     return "\n".join(head + [_fmt_table(header, rows)] + foot + notes)
+
+
+def save_results(results: Sequence[RunResult], cfg: DemoConfig, path: str, plot: str | None = None) -> None:
+    """Write a run's results to `path` (JSON): the config, where it ran, every run's losses, step
+    times and compile counts, and the SHA-256 of the picture drawn from it (`plot`). docs/demo.md's
+    figures come from such a record (``tqcompile demo --plot docs/img/demo.png --results
+    docs/img/demo_run.json``), and `tests/test_demo_record.py` holds the page to it."""
+    record = {
+        "config": dataclasses.asdict(cfg),
+        "environment": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "date": datetime.date.today().isoformat(),
+        },
+        "runs": [dataclasses.asdict(r) for r in results],
+    }
+    if plot is not None and os.path.isfile(plot):
+        record["plot"] = {"file": os.path.basename(plot), "sha256": hashlib.sha256(open(plot, "rb").read()).hexdigest()}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def load_results(path: str) -> tuple[DemoConfig, list[RunResult], dict]:
+    """(config, runs, the whole record) of a file `save_results` wrote."""
+    with open(path) as f:
+        record = json.load(f)
+    return DemoConfig(**record["config"]), [RunResult(**r) for r in record["runs"]], record
