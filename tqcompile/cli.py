@@ -14,8 +14,11 @@ start, so the command is never silent while it starts processes or compiles.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
@@ -115,10 +118,38 @@ def _resolve_device(choice: str, parser: argparse.ArgumentParser) -> str:
     return choice
 
 
+def _plot_path_error(path: str) -> str | None:
+    """Why the demo could not write its picture to `path` (None if it can). Checked by writing
+    there (a temporary file in its directory; an existing picture opened without truncating it),
+    which also catches read-only file systems, and leaves nothing behind."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory; give a file name such as loss.png"
+    directory = target.parent
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        return f"its directory {directory} {what}"
+    try:
+        if target.exists():
+            with open(target, "r+b"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".tqcompile_plot_check_")
+            os.close(fd)
+            os.remove(probe)
+    except OSError as e:
+        return f"cannot write there ({e.strerror or e})"
+    return None
+
+
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     device = _resolve_device(args.device, parser)
+    # Before any run: the picture is written after every run has trained.
+    plot_error = None if args.plot.lower() == "none" else _plot_path_error(args.plot)
+    if plot_error is not None:
+        parser.error(f"--plot {args.plot}: {plot_error}; pass a writable path, or --plot none")
     threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
     if threads is not None and threads < 1:
         parser.error(f"--threads {threads} is not allowed; allowed: an integer >= 1")
