@@ -143,7 +143,8 @@ def test_help_and_version_print_no_warnings() -> None:
     for argv in (["--help"], ["demo", "--help"], ["--version"]):
         proc = _cli(*argv)
         assert proc.returncode == 0, proc.stderr
-        assert "NumPy" not in proc.stderr and "Warning" not in proc.stderr, f"{argv}: {proc.stderr}"
+        # Nothing at all: torch 2.14's deprecation lines (its renamed opaque-type API) start with "W1127 ...".
+        assert proc.stderr == "", f"{argv}: {proc.stderr}"
     assert proc.stdout.strip() == f"tqcompile {tq.__version__}"
 
 
