@@ -107,3 +107,45 @@ def test_delayed_scaling_histories_roll_alike_compiled_and_eager():
     assert_bitwise_equal(dict(compiled_block.named_buffers()), dict(eager.named_buffers()), path="histories")
     assert counter.frame_count == 1 and counter.graph_breaks == 0 and counter.recompiles == 0, counter
     torch.compiler.reset()
+
+
+class _BincountMoE(torch.nn.Module):
+    """A torchtitan-style MoE block that counts tokens per expert with `torch.bincount(...,
+    minlength=E)`, as much MoE code does: the counts' length is data dependent (an unbacked size
+    under compile), which the experts must accept as the float model does."""
+
+    def __init__(self, num_experts: int = 4):
+        super().__init__()
+        block = TitanMoEModel(dim=DIM, num_experts=num_experts).blocks[0]
+        self.router, self.experts, self.num_experts = block.router, block.experts, num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_w, top_i = self.router(x).softmax(-1).topk(2, dim=-1)
+        flat = top_i.reshape(-1)
+        perm = torch.sort(flat, stable=True)[1]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        out = self.experts(x[perm // 2], counts) * top_w.reshape(-1)[perm].unsqueeze(-1).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, perm // 2, out.to(x.dtype))
+
+
+def test_bincount_counts_compile_after_convert():
+    """The float block compiles with fullgraph=True (in bf16: torch's `_grouped_mm` refuses fp32
+    under compile on CPU), and so must the converted one: one graph for every routing, equal to
+    eager bit for bit."""
+    block = _BincountMoE().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, DIM, generator=g).bfloat16()
+    float_counter = CompileCounter("aot_eager")
+    torch.compile(block, backend=float_counter, fullgraph=True)(x)
+    assert float_counter.frame_count == 1 and float_counter.graph_breaks == 0, float_counter
+    torch.compiler.reset()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tq.nn.ConversionWarning)  # the router stays float, and says so
+        eager = tq.convert(block.train(), tq.recipes.mxfp8())
+    counter = CompileCounter("aot_eager")
+    compiled = torch.compile(copy.deepcopy(eager), backend=counter, fullgraph=True)
+    for i in range(3):
+        x = torch.randn(64, DIM, generator=g).bfloat16()
+        assert_bitwise_equal(step(compiled, x), step(eager, x), path=f"input {i}")
+    assert counter.frame_count == 1 and counter.graph_breaks == 0 and counter.recompiles == 0, counter

@@ -28,6 +28,19 @@ def test_bad_m_splits_error_in_a_compiled_call():
     torch.compiler.reset()
 
 
+def test_bincount_counts_of_a_wrong_length_error_in_a_compiled_call():
+    """Counts from `torch.bincount(ids, minlength=E)` have a data-dependent length: the call
+    compiles, and an expert id past the last expert (E + 2 counts) raises when the compiled code
+    runs, saying what the counts must be."""
+    experts = _experts("mxfp8")
+    compiled = torch.compile(lambda x, ids: experts(x, torch.bincount(ids, minlength=E)), backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, K)
+    assert compiled(x, torch.tensor([0, 0, 1, 1, 3, 3, 3, 3])).shape == (8, N)
+    with pytest.raises(RuntimeError, match=r"count tensor \(m_splits, .*has a length other than the number of experts"):
+        compiled(x, torch.tensor([0, 0, 1, 1, 3, 3, 3, E + 1]))
+    torch.compiler.reset()
+
+
 @pytest.mark.parametrize("mode", ["dense", "list", "tensor"])
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "nvfp4"])
 def test_compiled_fullgraph_no_graph_breaks(name, mode):

@@ -131,3 +131,23 @@ def test_fake_quant_grouped_linear_with_count_tensors_compiles_without_recompile
         ye.sum().backward()
         assert_bitwise_equal(xi.grad, xe.grad)
     assert (counter.frame_count, counter.recompiles, counter.graph_breaks) == (1, 0, 0), counter.break_reasons
+
+
+def test_fake_quant_grouped_linear_with_bincount_counts_compiles():
+    """Counts from `torch.bincount(ids, minlength=E)` (a data-dependent length under compile) serve
+    the fake-quantized layer as they serve the float one: one graph, equal to eager."""
+    torch.manual_seed(0)
+    layer = tq.nn.GroupedLinear(4, 32, 48, recipe=tq.recipes.fp8_tensorwise())
+    x = torch.randn(24, 32)
+    tq.calibrate(layer, tq.configs.fp8(), lambda m: m(x, torch.tensor([6, 6, 6, 6])), progress=False)
+    torch.compiler.reset()
+
+    def forward(x, ids):
+        return layer(x, torch.bincount(ids, minlength=4))
+
+    counter = CompileCounter("aot_eager")
+    compiled = torch.compile(forward, backend=counter, fullgraph=True)
+    for counts in ([6, 6, 6, 6], [20, 0, 3, 1]):
+        ids = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+        assert_bitwise_equal(compiled(x, ids), forward(x, ids))
+    assert (counter.frame_count, counter.recompiles, counter.graph_breaks) == (1, 0, 0), counter.break_reasons

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tqcompile"
 
@@ -194,3 +196,17 @@ def test_any_module_imports_first():
         [sys.executable, "-c", _FORKED_IMPORTS, str(ROOT), *FIRST_IMPORTS], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+
+
+def test_import_prints_nothing():
+    # torch 2.14 renamed its opaque-type API and logs a deprecation line per use of an old name:
+    # `import tqcompile` printed 13 lines before anything else (tqcompile/_opaque.py picks the names).
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", "import tqcompile"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout == "" and proc.stderr == "", f"torch {torch.__version__}:\n{proc.stdout}{proc.stderr}"

@@ -14,8 +14,11 @@ start, so the command is never silent while it starts processes or compiles.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
@@ -121,10 +124,41 @@ def _resolve_device(choice: str, parser: argparse.ArgumentParser) -> str:
     return choice
 
 
+def _output_path_error(path: str) -> str | None:
+    """Why the demo could not write an output (its picture, its results) to `path` (None if it can). Checked by writing
+    there (a temporary file in its directory; an existing picture opened without truncating it),
+    which also catches read-only file systems, and leaves nothing behind."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory; give a file name such as loss.png"
+    directory = target.parent
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        return f"its directory {directory} {what}"
+    try:
+        if target.exists():
+            with open(target, "r+b"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".tqcompile_output_check_")
+            os.close(fd)
+            os.remove(probe)
+    except OSError as e:
+        return f"cannot write there ({e.strerror or e})"
+    return None
+
+
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     device = _resolve_device(args.device, parser)
+    # Before any run: the picture and the results are written after every run has trained.
+    plot_error = None if args.plot.lower() == "none" else _output_path_error(args.plot)
+    if plot_error is not None:
+        parser.error(f"--plot {args.plot}: {plot_error}; pass a writable path, or --plot none")
+    results_error = None if args.results is None else _output_path_error(args.results)
+    if results_error is not None:
+        parser.error(f"--results {args.results}: {results_error}; pass a writable path, or leave --results out")
     threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
     if threads is not None and threads < 1:
         parser.error(f"--threads {threads} is not allowed; allowed: an integer >= 1")

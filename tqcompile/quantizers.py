@@ -26,15 +26,11 @@ from typing import ClassVar
 
 import torch
 
-# Private torch APIs, the only way to make a quantizer an argument of a custom op that Dynamo
-# guards on by value: `register_opaque_type(cls, typ="value")` (torch._library.opaque_object) and
-# the `OpaqueBase` it requires (torch._opaque_base: torch 2.11 refuses to register a class that
-# does not subclass it; 2.13 accepts either). Checked on torch 2.13: a frozen, slotted dataclass
-# subclassing OpaqueBase registers, pickles, compiles with inductor and passes
-# torch.library.opcheck (DESIGN §1). Recipes (tqcompile.recipes) use the same two.
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
-
+# Value opaque types: torch's private API, the only way to make a quantizer an argument of a custom
+# op that Dynamo guards on by value. Checked on torch 2.13: a frozen, slotted dataclass subclassing
+# OpaqueBase registers, pickles, compiles with inductor and passes torch.library.opcheck (DESIGN §1).
+# tqcompile._opaque picks torch's names for it (renamed in torch 2.14).
+from tqcompile._opaque import OpaqueBase, register_value_type
 from tqcompile.formats import Format
 
 __all__ = [
@@ -423,4 +419,4 @@ class IntQuantizer(Quantizer):
 
 
 for _cls in (Quantizer, Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer):
-    register_opaque_type(_cls, typ="value")
+    register_value_type(_cls)

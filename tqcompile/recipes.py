@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-# Private torch APIs; why, and the torch versions checked: see the note at these imports in
-# tqcompile.quantizers (a Recipe is a value opaque type for the same reason a quantizer is).
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
-
+# A Recipe is a value opaque type for the same reason a quantizer is (see tqcompile.quantizers).
+from tqcompile._opaque import OpaqueBase, register_value_type
 from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,
@@ -138,7 +135,7 @@ class Recipe(OpaqueBase):
         return repr(self), names
 
 
-register_opaque_type(Recipe, typ="value")
+register_value_type(Recipe)
 
 
 def fp8_tensorwise() -> Recipe:

@@ -22,15 +22,11 @@ from __future__ import annotations
 import copy
 
 import torch
-
-# Private torch API, the only way to ask whether a value is a registered value opaque type
-# (quantizers, recipes, enums), checked on torch 2.13. Read through the module at call time, so
-# that importing tqcompile never depends on which of its helpers an older torch has.
-from torch._library import opaque_object
 from torch.export import ExportedProgram
 from torch.export.graph_signature import CustomObjArgument, InputKind, InputSpec
 from torch.utils import _pytree as pytree
 
+from tqcompile import _opaque
 from tqcompile.distributed.fsdp import QuantizedWeight
 
 __all__ = ["lift_quantizers"]
@@ -43,11 +39,11 @@ def _archive_stores_opaque_objects() -> bool:
         from torch.export.pt2_archive import constants
     except ImportError:
         return False
-    return hasattr(constants, "OPAQUE_OBJ_FILENAME_PREFIX") and hasattr(opaque_object, "is_opaque_value_type")
+    return hasattr(constants, "OPAQUE_OBJ_FILENAME_PREFIX") and _opaque.CAN_TELL_VALUE_TYPES
 
 
 def _is_lifted(value: object) -> bool:
-    return opaque_object.is_opaque_value_type(type(value))
+    return _opaque.is_value_type(type(value))
 
 
 def _refuse_nested_graphs(gm: torch.fx.GraphModule) -> None:
@@ -130,7 +126,7 @@ def lift_quantizers(program: ExportedProgram) -> ExportedProgram:
             while name in taken:
                 name += "_"
             taken.add(name)
-            class_fqn = opaque_object.get_opaque_type_name(type(value))
+            class_fqn = _opaque.value_type_name(type(value))
             with graph.inserting_before(anchor):
                 node = graph.placeholder(name)
             node.meta["val"] = CustomObjArgument(name=name, class_fqn=class_fqn)

@@ -35,7 +35,7 @@ from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.fused import FUSED_SIBLINGS  # re-exported: its home is fused.py
 from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, experts_layout
-from tqcompile.nn.grouped import GroupedLinear
+from tqcompile.nn.grouped import GroupedLinear, wrong_counts_length
 from tqcompile.ops.grouped_gemm import equal_ends, expert_ids, grouped_mm
 from tqcompile.quantizers import Quantizer
 
@@ -120,7 +120,7 @@ class _GroupedLinearFQ(FakeQuantModule):
             return _fake_quant_grouped_linear(self, x.reshape(e * c, -1), ends, self.weight, self.bias).view(e, c, -1)
         # The counts stay a tensor (no .tolist()): a compiled QAT model serves every routing with one graph.
         counts = m_splits if isinstance(m_splits, torch.Tensor) else torch.tensor(list(m_splits), device=x.device)
-        if x.dim() != 2 or counts.shape != (self.num_experts,):
+        if x.dim() != 2 or wrong_counts_length(counts, self.num_experts):
             raise ValueError(
                 f"GroupedLinear: m_splits of shape {tuple(counts.shape)} and x of shape {tuple(x.shape)}; expected "
                 f"({self.num_experts},) per-expert token counts and x of shape (tokens, {self.in_features})"

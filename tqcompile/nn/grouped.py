@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from tqcompile import ops
 from tqcompile.api import SUPPORTED_DTYPES
@@ -39,7 +40,7 @@ from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import GroupedQuantizedTensor
 
-__all__ = ["GroupedLinear", "grouped_linear", "grouped_unsupported_reason"]
+__all__ = ["GroupedLinear", "grouped_linear", "grouped_unsupported_reason", "wrong_counts_length"]
 
 _TOKEN_OPERANDS = ("fprop_input", "dgrad_grad", "wgrad_grad", "wgrad_input")
 
@@ -203,6 +204,26 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
+def wrong_counts_length(counts: torch.Tensor, num_experts: int) -> bool:
+    """Whether the per-expert token count tensor `counts` surely is not of shape (num_experts,).
+
+    Compiled, counts from `torch.bincount(ids, minlength=E)` have a data-dependent (unbacked)
+    length, on which a Python `if` cannot branch. Then this is False, and a `torch._check_value`
+    tells the compiler that the length is E (the fake kernels then see E) and checks it when the
+    compiled code runs. Its message is a constant: Dynamo (torch 2.13) drops a message whose
+    lambda reads a variable, and cannot name the length it does not know."""
+    if counts.dim() != 1 or guard_or_false(counts.shape[0] != num_experts):
+        return True
+    torch._check_value(
+        counts.shape[0] == num_experts,
+        lambda: (
+            "tq experts: a per-expert token count tensor (m_splits, num_tokens_per_expert) has a length other than "
+            "the number of experts; allowed: one count per expert"
+        ),
+    )
+    return False
+
+
 def _splits_error(m_splits, num_experts: int, num_tokens: int, device: torch.device) -> tuple[type[Exception], str] | None:
     """(exception type, message) of the first problem with `m_splits`, or None (see `_ends_from`)."""
     if isinstance(m_splits, torch.Tensor):
@@ -211,7 +232,7 @@ def _splits_error(m_splits, num_experts: int, num_tokens: int, device: torch.dev
                 TypeError,
                 f"GroupedLinear: m_splits tensor has dtype {m_splits.dtype}; allowed: torch.int64 (or torch.int32) per-expert token counts",
             )
-        if m_splits.dim() != 1 or m_splits.shape[0] != num_experts:
+        if wrong_counts_length(m_splits, num_experts):
             shape = shape_str(m_splits.shape)
             return (
                 ValueError,
