@@ -392,8 +392,8 @@ def test_supports(kernels):
 
 def test_op_selects_triton_only_for_cuda_tensors(monkeypatch, kernels):
     quantize_ops = importlib.import_module(
-        "tqcompile.ops.quantize"
-    )  # the module; `tqcompile.ops.quantize` the attribute is the op
+        "tqcompile.ops.codec"
+    )  # the module (the op is `tqcompile.ops.quantize`)
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("tqcompile::quantize", "CUDA")
     ran = []

@@ -44,7 +44,7 @@ runpy.run_path(EXAMPLE, run_name="__main__")
 import torch
 import tqcompile as tq
 from tqcompile.kernels import reference
-from tqcompile.ops.quantize import _quantize_cuda
+from tqcompile.ops.codec import _quantize_cuda
 
 q = tq.MXQuantizer()
 x = torch.randn(64, 128)

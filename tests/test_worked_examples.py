@@ -1,7 +1,7 @@
 """Hand-computed worked examples, one or more per format family.
 
 Every expected byte, code and scale below was worked out by hand from the format specs and the
-reference table in DESIGN.md §4 (the arithmetic is in the comments); none comes from calling the
+reference table of docs/numerics/ (the arithmetic is in the comments); none comes from calling the
 library. The same numbers are written up in docs/numerics/*.md. If the library and a comment
 disagree, re-check the comment's arithmetic first, then the reference kernel.
 

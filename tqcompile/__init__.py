@@ -2,11 +2,19 @@
 
 import torch as _torch
 
-from tqcompile import calibration, configs, distributed, nn, optim, recipes  # noqa: E402  (these import the names above)
+from tqcompile import (  # noqa: E402  (these import the names above)
+    calibration,
+    configs,
+    distributed,
+    export,  # the package, callable: tq.export(model, path) (see its docstring)
+    nn,
+    optim,
+    recipes,
+)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.calibration import AWQ, GPTQ, SmoothQuant, calibrate, quant_state, restore, summary
 from tqcompile.conversion import convert
-from tqcompile.export import export, load_exported
+from tqcompile.export import load_exported
 from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,

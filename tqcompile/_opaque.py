@@ -1,6 +1,6 @@
 """torch's value opaque types, under whichever names the installed torch gives them.
 
-Quantizers and recipes are value opaque types (DESIGN §1): a base class they subclass and a
+Quantizers and recipes are value opaque types (docs/concepts.md, "Quantizers are immutable value objects"): a base class they subclass and a
 registration, both private torch API, the only way to make a frozen value an argument of a custom
 op that Dynamo guards on by value (torch 2.11 refuses to register a class that does not subclass
 the base; 2.13 accepts either). torch renamed that API in 2.14 and logs a deprecation line for

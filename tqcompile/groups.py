@@ -1,6 +1,6 @@
 """Amax reduction groups, kept as *names* so they trace on every supported torch.
 
-Measured (DESIGN §1): a ProcessGroup object in `__tensor_flatten__` metadata breaks compile when
+Measured (docs/concepts.md, "The amax group"): a ProcessGroup object in `__tensor_flatten__` metadata breaks compile when
 the tensor is a graph input (Dynamo deep-copies metadata for its guard), and torch 2.11 does not
 accept one as a flatten attribute. A group name is a plain string, and functional collectives
 take it directly, so the name is what QuantizedTensor records.

@@ -28,7 +28,7 @@ import torch
 
 # Value opaque types: torch's private API, the only way to make a quantizer an argument of a custom
 # op that Dynamo guards on by value. Checked on torch 2.13: a frozen, slotted dataclass subclassing
-# OpaqueBase registers, pickles, compiles with inductor and passes torch.library.opcheck (DESIGN §1).
+# OpaqueBase registers, pickles, compiles with inductor and passes torch.library.opcheck.
 # tqcompile._opaque picks torch's names for it (renamed in torch 2.14).
 from tqcompile._opaque import OpaqueBase, register_value_type
 from tqcompile.formats import Format

@@ -7,12 +7,12 @@ same quantizers, ops and kernels as training. See docs/ptq.md and docs/qat.md.
 """
 
 from tqcompile.calibration.algorithms import AWQ, GPTQ, SmoothQuant
-from tqcompile.calibration.calibrate import ALGORITHMS, CalibrationWarning, calibrate, prepare
 from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule, register_module_type
 from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize, fake_quantize_grouped
 from tqcompile.calibration.modules import ExpertGemmQuantizers, FakeQuantModule
+from tqcompile.calibration.pipeline import ALGORITHMS, CalibrationWarning, calibrate, prepare
 from tqcompile.calibration.state import QuantSummary, SummaryRow, quant_state, reattach, restore, summary
-from tqcompile.calibration.weight_only import weight_only
+from tqcompile.calibration.views import weight_only
 
 __all__ = [
     "calibrate",

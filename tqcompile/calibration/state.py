@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from tqcompile.calibration.algorithms import SCALE_SEARCH
-from tqcompile.calibration.calibrate import CalibrationRecord, CalibrationWarning, check_not_sharded, set_record
 from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.calibration.fused import share_fused_weight_amax
@@ -44,6 +43,7 @@ from tqcompile.calibration.modules import (
     swap_class,
     unsupported_reason,
 )
+from tqcompile.calibration.pipeline import CalibrationRecord, CalibrationWarning, check_not_sharded, set_record
 from tqcompile.quantizers import Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
 if TYPE_CHECKING:  # only a hint: torch.distributed may be unavailable on some platforms

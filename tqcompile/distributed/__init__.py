@@ -3,7 +3,7 @@
 tensor/sequence-parallel styles for converted layers, and expert parallelism for converted MoE experts."""
 
 from tqcompile.distributed import checkpoint, tensor_parallel
-from tqcompile.distributed.expert_parallel import ExpertParallelDispatch, expert_parallel
+from tqcompile.distributed.expert_dispatch import ExpertParallelDispatch, expert_parallel
 from tqcompile.distributed.fsdp import (
     QuantizedAllGatherWarning,
     QuantizedWeight,

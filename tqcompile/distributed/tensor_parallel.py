@@ -43,7 +43,7 @@ from tqcompile.distributed.tp_linear import (
     rowwise_linear,
 )
 from tqcompile.nn.base import is_converted
-from tqcompile.nn.linear import Linear
+from tqcompile.nn.quantized_linear import Linear
 from tqcompile.recipes import Recipe
 
 __all__ = [

@@ -25,7 +25,6 @@ import warnings
 import torch
 from torch import nn
 
-from tqcompile.calibration.calibrate import CalibrationWarning, prepare
 from tqcompile.calibration.config import QuantConfig, QuantRule
 from tqcompile.calibration.fake_quant import static_amax_kind
 from tqcompile.calibration.fused import share_fused_weight_amax
@@ -37,6 +36,7 @@ from tqcompile.calibration.modules import (
     module_device,
     quant_units,
 )
+from tqcompile.calibration.pipeline import CalibrationWarning, prepare
 from tqcompile.export.decode import (
     DecodedLayer,
     LayerScheme,

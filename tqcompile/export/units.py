@@ -29,7 +29,7 @@ from tqcompile.calibration.state import _slots_of
 from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import QuantizedExperts
 from tqcompile.nn.grouped import GroupedLinear
-from tqcompile.nn.linear import Linear as QuantLinear
+from tqcompile.nn.quantized_linear import Linear as QuantLinear
 from tqcompile.ops import amax as tensor_amax
 from tqcompile.quantizers import NVFP4Quantizer, Quantizer
 

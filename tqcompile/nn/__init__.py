@@ -4,7 +4,7 @@ from tqcompile.nn.base import QuantizedModule, is_converted
 from tqcompile.nn.convert import ConversionWarning, PlannedConversion, conversion_plan, register_converter
 from tqcompile.nn.functional import linear, qgemm
 from tqcompile.nn.grouped import GroupedLinear, grouped_linear
-from tqcompile.nn.linear import Linear
+from tqcompile.nn.quantized_linear import Linear
 
 __all__ = [
     "Linear",

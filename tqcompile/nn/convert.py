@@ -32,7 +32,7 @@ from torch.nn.parameter import is_lazy
 from tqcompile.nn.attention import QuantizedMultiheadAttention, QuantizedTransformerEncoderLayer, mha_unsupported_reason
 from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import QuantizedExperts, experts_layout, experts_unsupported_reason
-from tqcompile.nn.linear import Linear
+from tqcompile.nn.quantized_linear import Linear
 from tqcompile.recipes import Recipe
 
 __all__ = ["convert_layers", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]

@@ -33,7 +33,7 @@ from tqcompile import ops
 from tqcompile.api import SUPPORTED_DTYPES
 from tqcompile.groups import all_reduce_amax
 from tqcompile.nn.functional import linear
-from tqcompile.nn.linear import _check_recipe, _Quantized
+from tqcompile.nn.quantized_linear import _check_recipe, _Quantized
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.ops.errors import raise_error, shape_str
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer

@@ -2,6 +2,7 @@
 them without running them, and a reference kernel (`tqcompile.kernels.reference`) that defines
 the numerics."""
 
+from tqcompile.ops.codec import amax, dequantize, quantize, quantize_columnwise
 from tqcompile.ops.errors import raise_error, shape_str, static_shape
 from tqcompile.ops.gemm import amax_history_update, gemm_tn
 from tqcompile.ops.grouped_gemm import (
@@ -12,7 +13,6 @@ from tqcompile.ops.grouped_gemm import (
     grouped_mm_wgrad,
     grouped_quantize,
 )
-from tqcompile.ops.quantize import amax, dequantize, quantize, quantize_columnwise
 
 __all__ = [
     "amax",

@@ -156,7 +156,7 @@ def payload_values(data: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The scale rules, written from the spec (DESIGN §4), independently of the kernels
+# The scale rules, written from the spec (docs/numerics/), independently of the kernels
 # ---------------------------------------------------------------------------------------------
 def _unit_amax(a: torch.Tensor, layout: tuple[Granularity, int, int], scale_shape: tuple[int, ...]) -> torch.Tensor:
     """Max of the non-negative `a` over each scaling unit, in the scale's shape."""
@@ -239,7 +239,7 @@ def _check_amax(q: Quantizer, amax: torch.Tensor | None) -> None:
 
 def expected_scale_inv(quantizer: Quantizer, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
     """The scale tensor the spec prescribes for quantizing `x` (shape ``quantizer.scale_shape``,
-    dtype ``quantizer.scale_dtype()``), computed from the DESIGN §4 formulas independently of
+    dtype ``quantizer.scale_dtype()``), computed from the formulas of docs/numerics/ independently of
     the kernels: FP8/INT ``1 / (fmt_max / max(amax, eps))`` in fp32 (optionally a power of two),
     MX the E8M0 exponent from its exact floor/RCEIL definition, NVFP4 the E4M3 block scale.
     `amax` overrides the tensor-level amax of quantizers that use one."""
