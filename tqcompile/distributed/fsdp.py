@@ -76,6 +76,7 @@ from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import experts_layout
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.recipes import Recipe
+from tqcompile.surgery.names import canonical_modules
 from tqcompile.tensor import GroupedQuantizedTensor, QuantizedTensor
 
 __all__ = [
@@ -470,7 +471,7 @@ def enable_quantized_all_gather(module: nn.Module, layer: str = "", *, model: nn
 def enable_converted_layers(model: nn.Module, layers: list[str]) -> int:
     """`enable_quantized_all_gather` for the converted layers named `layers` of `model` (what
     `tq.convert` does when asked to, or when a process group is initialized); how many it wrapped."""
-    owners, modules = _parameter_owners(model), dict(model.named_modules())
+    owners, modules = _parameter_owners(model), dict(canonical_modules(model))  # `layers` are tq.convert's canonical names
     return sum(_enable(modules[name], name, owners, "tq.convert") for name in layers)
 
 

@@ -1,5 +1,6 @@
 """Quantized modules and model conversion."""
 
+from tqcompile.nn import specs as _specs  # noqa: F401  (registers how tqcompile.surgery.layer_specs reads converted layers)
 from tqcompile.nn.base import QuantizedModule, is_converted
 from tqcompile.nn.convert import ConversionWarning, PlannedConversion, conversion_plan, register_converter
 from tqcompile.nn.functional import linear, qgemm

@@ -25,6 +25,8 @@ class QuantizedModule:
 
     recipe: Recipe
     tq_fqn: str | None = None
+    # The class tq.convert generates for a model's own class is named "Quantized<Class>" (tqcompile.surgery.classes).
+    tq_class_prefix = "Quantized"
 
 
 def is_converted(module: nn.Module) -> bool:

@@ -2,10 +2,14 @@
 place, through a registry. (`tq.convert` itself, in `tqcompile.conversion`, then sets up FSDP2's
 quantized all-gather of the converted weights.)
 
+Layers are named, planned and changed through the surgery layer (`tqcompile.surgery`, shared
+with `tq.calibrate`): canonical names (wrappers' components removed, the names `filter_fn` sees),
+a plan of `PlannedConversion` rows, then applied in place.
+
 A module is converted by the registered converter of the first class in its MRO that has one,
 so subclasses of `nn.Linear` match too. A subclass is converted by giving the module a new class
 that inherits from both its own class and `tq.nn.Linear` (attributes, extra methods and hooks are
-kept; the new class pickles by naming the two it is made of). A subclass that overrides `forward`
+kept; the new class, `tqcompile.surgery.classes`, pickles by naming the two it is made of). A subclass that overrides `forward`
 keeps Linear semantics only if that forward computes through `super().forward(...)`; it cannot be
 checked, so such a class must say so with a class attribute ``tq_linear_semantics = True`` (then
 its `super().forward` runs quantized), otherwise it is skipped and reported.
@@ -13,7 +17,7 @@ its `super().forward` runs quantized), otherwise it is skipped and reported.
 A layer is reported converted only if its GEMMs then run quantized. Some modules read a child's
 weight themselves instead of calling the child: `nn.MultiheadAttention` reads `out_proj.weight`,
 and `nn.TransformerEncoderLayer`'s inference fast path reads the weights of `self_attn`, `linear1`
-and `linear2`. Their converters (`tqcompile.nn.attention`) replace those reads, and planning skips
+and `linear2` (registered in `tqcompile.surgery.checks`). Their converters (`tqcompile.nn.attention`) replace those reads, and planning skips
 the children of such a module when the module itself is not converted (filtered out or refused),
 with the reason. Modules whose parameters are not materialised yet (`nn.LazyLinear`) are skipped:
 their shapes, and whether the recipe can serve them, are known only after their first forward.
@@ -21,7 +25,6 @@ their shapes, and whether the recipe can serve them, are known only after their 
 
 from __future__ import annotations
 
-import copyreg
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -34,6 +37,10 @@ from tqcompile.nn.base import is_converted
 from tqcompile.nn.experts import QuantizedExperts, experts_layout, experts_unsupported_reason
 from tqcompile.nn.quantized_linear import Linear
 from tqcompile.recipes import Recipe
+from tqcompile.surgery.checks import check_not_sharded, register_weight_reader, weight_reads
+from tqcompile.surgery.classes import generated_class, new_instance
+from tqcompile.surgery.names import canonical_modules
+from tqcompile.surgery.plan import Decision, apply
 
 __all__ = ["convert_layers", "conversion_plan", "register_converter", "ConversionWarning", "PlannedConversion"]
 
@@ -46,15 +53,12 @@ ReadsFn = Callable[[nn.Module], dict[str, str]]
 class _Entry:
     convert: Converter
     unsupported_reason: ReasonFn | None = None
-    # child name -> where the module's own (unconverted) forward reads that child's weight directly
-    reads_weights_of: ReadsFn | None = None
     # The converter only stops the module from reading its children's weights (it has no GEMM of its
     # own): listed in a plan only when one of those children is converted.
     adapter_only: bool = False
 
 
 _REGISTRY: dict[type, _Entry] = {}
-_SUBCLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
 class ConversionWarning(UserWarning):
@@ -62,13 +66,15 @@ class ConversionWarning(UserWarning):
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannedConversion:
-    """What `tq.convert` does to one layer: `action` is "convert", "skip" (with `reason`) or "already converted"."""
+class PlannedConversion(Decision):
+    """What `tq.convert` does to one layer: `action` is "convert", "skip" (with `reason`) or "already converted".
 
-    name: str
-    module_type: str
-    action: str  # "convert", "skip" or "already converted"
-    reason: str = ""
+    A row of `conversion_plan`, `PlannedConversion(name, module_type, action, reason="")`; the
+    surgery layer's `Decision` (`tqcompile.surgery.plan`), converted with the recipe."""
+
+
+# Pickles of converted models made before the surgery layer name this function: it makes the same class.
+_new_converted = new_instance
 
 
 def register_converter(
@@ -88,7 +94,9 @@ def register_converter(
     """
 
     def deco(fn: Converter) -> Converter:
-        _REGISTRY[cls] = _Entry(fn, unsupported_reason, reads_weights_of)
+        _REGISTRY[cls] = _Entry(fn, unsupported_reason)
+        if reads_weights_of is not None:
+            register_weight_reader(cls, reads_weights_of)
         return fn
 
     return deco
@@ -107,42 +115,6 @@ def _entry_for(module: nn.Module) -> _Entry | None:
         if matches(module):
             return entry
     return None
-
-
-def _new_converted(cls: type, quantized_cls: type, *args):
-    """Unpickling: an empty instance of the class that `_quantized_class(cls, quantized_cls)` makes."""
-    new_cls = _quantized_class(cls, quantized_cls)
-    return new_cls.__new__(new_cls, *args)
-
-
-def _reduce_ex_converted(self, protocol: int):
-    # The generated class cannot be found by name, so pickle names the two classes it is made of.
-    # object.__reduce_ex__ (protocol >= 2) gives (copyreg.__newobj__, (cls, *args), state, ...).
-    rv = object.__reduce_ex__(self, max(protocol, 2))
-    cls = type(self)
-    # Only for the generated class itself: a user's subclass of it is importable and pickles by name.
-    if "_tq_float_class" in cls.__dict__ and isinstance(rv, tuple) and rv[0] is copyreg.__newobj__ and rv[1][0] is cls:
-        return (_new_converted, (cls._tq_float_class, cls._tq_quantized_class, *rv[1][1:]), *rv[2:])
-    return rv  # the user's class defines its own reduction
-
-
-def _quantized_class(cls: type, quantized_cls: type) -> type:
-    """`quantized_cls` for its own float class, else a class inheriting from both `cls` and
-    `quantized_cls` (`quantized_cls` first when it says ``_tq_mixin_first``: its forward then
-    replaces the class's own, as for experts modules)."""
-    if issubclass(quantized_cls, cls):
-        return quantized_cls
-    key = (cls, quantized_cls)
-    if key not in _SUBCLASS_CACHE:
-        namespace = {
-            "__module__": cls.__module__,
-            "__reduce_ex__": _reduce_ex_converted,
-            "_tq_float_class": cls,
-            "_tq_quantized_class": quantized_cls,
-        }
-        bases = (quantized_cls, cls) if getattr(quantized_cls, "_tq_mixin_first", False) else (cls, quantized_cls)
-        _SUBCLASS_CACHE[key] = type(f"Quantized{cls.__name__}", bases, namespace)
-    return _SUBCLASS_CACHE[key]
 
 
 def _lazy_reason(module: nn.Module) -> str | None:
@@ -169,7 +141,7 @@ def _linear_unsupported_reason(module: nn.Module, recipe: Recipe) -> str | None:
 
 @register_converter(nn.Linear, unsupported_reason=_linear_unsupported_reason)
 def _convert_linear(module: nn.Module, recipe: Recipe) -> None:
-    module.__class__ = _quantized_class(type(module), Linear)
+    module.__class__ = generated_class(type(module), Linear)
     module._init_quantized(recipe)
 
 
@@ -180,21 +152,17 @@ def _mha_reason(module: nn.Module, recipe: Recipe) -> str | None:
     return mha_unsupported_reason(module, recipe)
 
 
-@register_converter(
-    nn.MultiheadAttention,
-    unsupported_reason=_mha_reason,
-    reads_weights_of=lambda m: {
-        "out_proj": "nn.MultiheadAttention.forward reads out_proj.weight (F.multi_head_attention_forward)"
-    },
-)
+# Which children's weights nn.MultiheadAttention and nn.TransformerEncoderLayer read themselves is
+# registered in tqcompile.surgery.checks (calibration skips them too); these converters replace those reads.
+@register_converter(nn.MultiheadAttention, unsupported_reason=_mha_reason)
 def _convert_mha(module: nn.Module, recipe: Recipe) -> None:
-    module.__class__ = _quantized_class(type(module), QuantizedMultiheadAttention)
+    module.__class__ = generated_class(type(module), QuantizedMultiheadAttention)
     module._init_quantized(recipe)
 
 
 def _convert_experts(module: nn.Module, recipe: Recipe) -> None:
     layout = experts_layout(module)
-    module.__class__ = _quantized_class(type(module), QuantizedExperts)
+    module.__class__ = generated_class(type(module), QuantizedExperts)
     module._init_quantized(recipe, layout)
 
 
@@ -202,41 +170,21 @@ _STRUCTURAL.append((lambda m: experts_layout(m) is not None, _Entry(_convert_exp
 
 
 def _convert_encoder_layer(module: nn.Module, recipe: Recipe) -> None:
-    module.__class__ = _quantized_class(type(module), QuantizedTransformerEncoderLayer)
+    module.__class__ = generated_class(type(module), QuantizedTransformerEncoderLayer)
     module.recipe = recipe
 
 
-_FAST_PATH = "its inference fast path (eval() under no_grad) passes it to torch._transformer_encoder_layer_fwd"
-_REGISTRY[nn.TransformerEncoderLayer] = _Entry(
-    _convert_encoder_layer,
-    reads_weights_of=lambda m: dict.fromkeys(("self_attn", "linear1", "linear2"), _FAST_PATH),
-    adapter_only=True,
-)
+_REGISTRY[nn.TransformerEncoderLayer] = _Entry(_convert_encoder_layer, adapter_only=True)
 
 
 def _child_name(parent: str, child: str) -> str:
     return f"{parent}.{child}" if parent else child
 
 
-def _check_not_sharded(modules: dict[str, nn.Module], plan: list[PlannedConversion]) -> None:
-    """Refuse, before changing anything, layers whose parameters fully_shard or parallelize_module already made DTensors.
-
-    Converting them anyway failed far from the cause: FSDP2's lazy init raised
-    "'QuantizedWeight' object has no attribute '_local_tensor'" at the first forward, and torch's TP
-    styles have no sharding rule for the tqcompile ops."""
-    from torch.distributed.tensor import DTensor
-
-    for p in plan:
-        if p.action != "convert":
-            continue
-        for p_name, param in modules[p.name].named_parameters(recurse=False):
-            if isinstance(param, DTensor):
-                raise ValueError(
-                    f"tq.convert: layer {p.name!r} is already sharded: its {p_name} is a DTensor with placements "
-                    f"{tuple(param.placements)} (made by fully_shard or parallelize_module). Convert the unsharded model "
-                    "first, then shard it: tq.convert, then tq.distributed's TP styles, then torch.compile per block, "
-                    "then fully_shard (docs/distributed.md)"
-                )
+_SHARDED_FIX = (
+    "Convert the unsharded model first, then shard it: tq.convert, then tq.distributed's TP styles, then torch.compile "
+    "per block, then fully_shard (docs/distributed.md)"
+)
 
 
 def conversion_plan(
@@ -245,7 +193,7 @@ def conversion_plan(
     """What `convert(model, recipe, filter_fn=...)` would do to each convertible layer."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tq.convert: model must be a torch.nn.Module, got {type(model).__name__}")
-    modules = dict(model.named_modules())
+    modules = dict(canonical_modules(model))
     plan: dict[str, PlannedConversion] = {}
     for name, module in modules.items():
         if is_converted(module):
@@ -254,37 +202,39 @@ def conversion_plan(
                     f"tq.convert: layer {name!r} is already converted with recipe {module.recipe.name!r}; "
                     f"converting it again with {recipe.name!r} is not supported (convert a fresh model)"
                 )
-            plan[name] = PlannedConversion(name, type(module).__name__, "already converted")
+            plan[name] = PlannedConversion(name, type(module).__name__, "already converted", module=module)
             continue
         entry = _entry_for(module)
         if entry is None or (filter_fn is not None and not filter_fn(module, name)):
             continue
         reason = _lazy_reason(module) or (entry.unsupported_reason(module, recipe) if entry.unsupported_reason else None) or ""
-        plan[name] = PlannedConversion(name, type(module).__name__, "skip" if reason else "convert", reason)
+        action = "skip" if reason else "convert"
+        plan[name] = PlannedConversion(name, type(module).__name__, action, reason, module=module, using=recipe)
 
     # A child whose weight an unconverted parent reads directly would be converted but never run:
     # skip it. Repeat, since a skipped child may itself be such a parent (self_attn and its out_proj).
-    readers = [(n, m, e) for n, m in modules.items() if (e := _entry_for(m)) is not None and e.reads_weights_of is not None]
+    readers = list(weight_reads(modules))
     changed = True
     while changed:
         changed = False
-        for name, module, entry in readers:
+        for name, module, reads in readers:
             p = plan.get(name)
             if p is not None and p.action != "skip":
                 continue
             why = p.reason if p is not None else "filter_fn excluded it"
-            for child, where in entry.reads_weights_of(module).items():
+            for child, where in reads.children(module).items():
                 fqn = _child_name(name, child)
                 if fqn in plan and plan[fqn].action == "convert":
                     reason = f"{name or '<root>'} ({type(module).__name__}) is not converted ({why}) and reads its weight directly: {where}"
                     plan[fqn] = dataclasses.replace(plan[fqn], action="skip", reason=reason)
                     changed = True
-    for name, module, entry in readers:
-        read = [_child_name(name, c) for c in entry.reads_weights_of(module)]
-        if entry.adapter_only and name in plan and not any(plan.get(c) and plan[c].action != "skip" for c in read):
+    for name, module, reads in readers:
+        read = [_child_name(name, c) for c in reads.children(module)]
+        entry = _entry_for(module)
+        if entry is not None and entry.adapter_only and name in plan and not any(plan.get(c) and plan[c].action != "skip" for c in read):
             del plan[name]  # nothing under it runs quantized: there is nothing to adapt
     for name, reason in _left_alone(modules, plan, filter_fn).items():
-        plan[name] = PlannedConversion(name, type(modules[name]).__name__, "skip", reason)
+        plan[name] = PlannedConversion(name, type(modules[name]).__name__, "skip", reason, module=modules[name])
     return [plan[name] for name in modules if name in plan]
 
 
@@ -359,6 +309,14 @@ def _grouped_lines(skipped: list[PlannedConversion]) -> str:
     return "\n".join(lines)
 
 
+def _convert(p: PlannedConversion) -> None:
+    _entry_for(p.module).convert(p.module, p.using)
+    # The name filter_fn saw: errors the layer raises at run time (a token count its blocks
+    # cannot split) name it and show the filter_fn that keeps it in high precision.
+    if is_converted(p.module):  # (a user's converter may make a module that is not a QuantizedModule)
+        p.module.tq_fqn = p.name
+
+
 def convert_layers(
     model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
 ) -> list[PlannedConversion]:
@@ -377,16 +335,10 @@ def convert_layers(
     if not isinstance(recipe, Recipe):
         raise TypeError(f"tq.convert: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
     plan = conversion_plan(model, recipe, filter_fn=filter_fn)
-    modules = dict(model.named_modules())
-    _check_not_sharded(modules, plan)
     for p in plan:
         if p.action == "convert":
-            module = modules[p.name]
-            _entry_for(module).convert(module, recipe)
-            # The name filter_fn saw: errors the layer raises at run time (a token count its blocks
-            # cannot split) name it and show the filter_fn that keeps it in high precision.
-            if is_converted(module):  # (a user's converter may make a module that is not a QuantizedModule)
-                module.tq_fqn = p.name
+            check_not_sharded("tq.convert", "layer", p.name, p.module, _SHARDED_FIX)
+    apply(plan, _convert)
     for module in model.modules():
         # nn.TransformerEncoder packs a padded batch into a nested tensor in inference; converted
         # layers take the padded batch and its key padding mask instead.

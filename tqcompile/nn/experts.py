@@ -157,7 +157,7 @@ class ExpertsRouting:
     # (tokens sorted by global expert -> this rank's experts' tokens, sorted by local expert) and
     # `combine(y, state)` (the way back). None: every expert is local.
     tq_dispatch = None
-    _tq_mixin_first = True  # the generated class puts this class before the model's own
+    tq_mixin_first = True  # the generated class puts this class before the model's own (tqcompile.surgery.classes)
 
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """GEMM `index` of the layout on tokens `x` sorted by (local) expert, `counts` (int64) per expert."""
