@@ -198,7 +198,7 @@ def test_a_checkpoint_saved_with_the_old_names_still_loads(tmp_path, monkeypatch
 
     saved = build()
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, "_clean", checkpoint._legacy_clean)
+        m.setattr(checkpoint, "quantization_metadata", lambda model: checkpoint._older_metadata(model, checkpoint._substrings_removed))
         checkpoint.save(saved, None, str(tmp_path))
     fresh = build()
     with torch.no_grad():

@@ -15,6 +15,7 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.calibration import CalibrationWarning, ConfigError, QuantRule
 from tqcompile.calibration import modules as fq_modules
+from tqcompile.surgery import classes as surgery_classes
 from tqcompile.testing import sqnr
 
 
@@ -188,7 +189,7 @@ def test_pickling_a_whole_calibrated_model():
     tq.calibrate(model, tq.configs.int8(), lambda m: [m(t) for t in x], progress=False)
     buf = io.BytesIO()
     torch.save(model, buf)
-    fq_modules._CLASS_CACHE.clear()  # as in a new process, where the fake-quant classes do not exist yet
+    surgery_classes._GENERATED.clear()  # as in a new process, where the fake-quant classes do not exist yet
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert type(loaded.up).__name__ == "FakeQuantLinear" and isinstance(loaded.up, nn.Linear)

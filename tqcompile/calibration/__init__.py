@@ -6,6 +6,7 @@ and rebuild that state. Fake quantization is ``tq.quantize(x, q, amax=...).dequa
 same quantizers, ops and kernels as training. See docs/ptq.md and docs/qat.md.
 """
 
+from tqcompile.calibration import specs as _specs  # noqa: F401  (registers how tqcompile.surgery.layer_specs reads fake-quantized layers)
 from tqcompile.calibration.algorithms import AWQ, GPTQ, SmoothQuant
 from tqcompile.calibration.config import ConfigError, QuantConfig, QuantRule, register_module_type
 from tqcompile.calibration.fake_quant import TensorQuantizer, fake_quantize, fake_quantize_grouped

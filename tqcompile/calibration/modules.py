@@ -17,9 +17,10 @@ The experts module itself gets a class whose forward is `tqcompile.nn.experts`' 
 expert (`_fake_quant_grouped_linear`); calibrating runs the same routing, so every expert's
 tokens reach its quantizers, whatever `experts_implementation` the model was built with.
 
-Module names are *canonical*: the fully qualified name with the components that wrappers add
-removed (DDP's and DataParallel's ``module``, `torch.compile`'s ``_orig_mod``). Wrappers are
-recognised by type, so a submodule a user named ``module`` keeps its name.
+Module names are *canonical* (`tqcompile.surgery.names`): the fully qualified name with the
+components that wrappers add removed (DDP's and DataParallel's ``module``, `torch.compile`'s
+``_orig_mod``, ...). The generated classes, their pickling, undoing a conversion and the checks
+before one are the surgery layer's too (`tqcompile.surgery`), shared with `tq.convert`.
 """
 
 from __future__ import annotations
@@ -38,23 +39,27 @@ from tqcompile.nn.experts import ExpertGemm, ExpertsRouting, expert_weight, expe
 from tqcompile.nn.grouped import GroupedLinear, wrong_counts_length
 from tqcompile.ops.grouped_gemm import equal_ends, expert_ids, grouped_mm
 from tqcompile.quantizers import Quantizer
+from tqcompile.surgery.checks import weight_reads
+from tqcompile.surgery.classes import generated_class, mixin_of, new_instance
+from tqcompile.surgery.names import canonical_modules
+from tqcompile.surgery.plan import Decision
 
 __all__ = [
     "FakeQuantModule",
     "FUSED_SIBLINGS",
     "ExpertGemmQuantizers",
     "PER_EXPERT_KINDS",
-    "canonical_modules",
+    "SHARDED_FIX",
     "quant_units",
+    "unit_decision",
+    "slots_of",
     "params_owner",
     "class_name",
     "holds_quantizers",
     "kind_of",
     "convert_module",
-    "unconvert_module",
     "weight_view",
     "static_amax_shape",
-    "check_not_meta",
     "base_class",
     "swap_class",
 ]
@@ -62,26 +67,34 @@ __all__ = [
 
 # Kinds whose input and weight quantizers keep one amax per expert.
 PER_EXPERT_KINDS = ("GroupedLinear", "Experts")
+# What tq.calibrate, tq.restore and tq.calibration.prepare say when a layer is already sharded (tqcompile.surgery.checks).
+SHARDED_FIX = (
+    "Quantize the unsharded model first, then shard it: {who}, then torch.compile per block, then fully_shard (docs/qat.md)"
+)
 
 
 class FakeQuantModule:
     """Mixin marking a fake-quantized module; it owns three `TensorQuantizer` children."""
 
-    tq_kind: str
     input_quantizer: TensorQuantizer
     weight_quantizer: TensorQuantizer
     output_quantizer: TensorQuantizer
+    # The generated class is "FakeQuant<Class>", this mixin first: its forward replaces the class's own.
+    tq_mixin_first = True
+    tq_class_prefix = "FakeQuant"
+
+    @property
+    def tq_kind(self) -> str | None:
+        """The module's kind (its family: BatchNorm2d and SyncBatchNorm are both "BatchNorm")."""
+        found = kind_of(self)
+        return None if found is None else found[0]
 
     def quantizers(self) -> dict[str, TensorQuantizer]:
         return {s: getattr(self, f"{s}_quantizer") for s in SLOTS}
 
 
-def _reduce_generated(self, protocol: int):
-    # A fake-quant class is made at run time, so pickle cannot find it by name (torch.save of a
-    # whole model, multiprocessing, deepcopy): rebuild it from the module's own class and the mixin.
-    rv = object.__reduce_ex__(self, max(protocol, 2))
-    cls = type(self)
-    return (_new_fake_quant, (cls.tq_base, cls.tq_mixin), *rv[2:])
+# Pickles of calibrated models made before the surgery layer name this function: it makes the same class.
+_new_fake_quant = new_instance
 
 
 def _fake_quant_grouped_linear(slots: FakeQuantModule, x, ends, weight, bias) -> torch.Tensor:
@@ -182,6 +195,8 @@ class _ExpertsFQ(ExpertsRouting):
     """Fake-quantized experts: the routing of `tqcompile.nn.experts`, each GEMM fake-quantized
     with the quantizers of its `ExpertGemmQuantizers` child."""
 
+    tq_class_prefix = "FakeQuant"
+
     def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         g = self.tq_experts_layout.gemms[index]
         w, bias = expert_weight(self, g)
@@ -231,38 +246,28 @@ _FORWARD_OWNER = {
     nn.Conv2d: nn.Conv2d,
     nn.Conv3d: nn.Conv3d,
 }
-_CLASS_CACHE: dict[tuple[type, type], type] = {}
+# The mixins tq.calibrate generates classes with: `base_class` sees through those classes only.
+_MIXINS = frozenset({*(mixin for _, _, mixin, _ in _KINDS), _ExpertsFQ})
 
 
-def _wrapper_types() -> tuple[type, ...]:
-    from torch._dynamo.eval_frame import OptimizedModule  # torch.compile's wrapper; no public name (checked on 2.11, 2.13)
+def unit_decision(name: str, module: nn.Module, using: object, action: str = "convert", reason: str = "") -> Decision:
+    """The surgery layer's `Decision` for one quantizable unit; converting an experts GEMM changes its experts module too."""
+    owner = params_owner(module)
+    touches = (owner,) if owner is not module else ()
+    return Decision(name, class_name(module), action, reason, module=module, using=using, touches=touches)
 
-    return (nn.parallel.DistributedDataParallel, nn.DataParallel, OptimizedModule)
 
-
-def canonical_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(canonical name, module) of every module, each once, wrappers' own components removed."""
-    wrappers = _wrapper_types()
-    seen: set[int] = set()
-
-    def walk(mod: nn.Module, prefix: str):
-        if id(mod) in seen:
-            return
-        seen.add(id(mod))
-        if not isinstance(mod, wrappers):
-            yield prefix, mod
-        for name, child in mod._modules.items():
-            if child is None:
-                continue
-            skip = isinstance(mod, wrappers) and name in ("module", "_orig_mod")
-            yield from walk(child, prefix if skip else (f"{prefix}.{name}" if prefix else name))
-
-    yield from walk(model, "")
+def slots_of(module: nn.Module) -> dict[str, TensorQuantizer] | None:
+    """{slot: its TensorQuantizer} of a fake-quantized module (also one that lost its fake-quant
+    class, see `tq.calibration.reattach`), else None."""
+    qs = {s: module._modules.get(f"{s}_quantizer") for s in SLOTS}
+    return qs if all(isinstance(q, TensorQuantizer) for q in qs.values()) else None
 
 
 def base_class(module: nn.Module) -> type:
     """The module's own class (the one it had before it was fake-quantized)."""
-    return type(module).__dict__.get("tq_base", type(module))
+    cls = type(module)
+    return cls.tq_base if mixin_of(cls) in _MIXINS else cls
 
 
 def holds_quantizers(module: nn.Module) -> bool:
@@ -321,18 +326,20 @@ def unsupported_reason(module: nn.Module) -> str | None:
 
 def read_by_parent(model: nn.Module) -> dict[int, str]:
     """{id(module): why} for the modules of `model` whose parent computes with their weight itself
-    and never calls them, so a fake quantizer on them would never run.
+    and never calls them, so a fake quantizer on them would never run (the surgery layer's registry,
+    `tqcompile.surgery.checks`, of modules that always do: a parent that only does on some path,
+    such as `nn.TransformerEncoderLayer`'s inference fast path, calls them while calibrating and training).
 
     `nn.MultiheadAttention.forward` passes `out_proj.weight` to `F.multi_head_attention_forward`:
     before this was checked, `out_proj` was converted and shown as quantized while it stayed in high
     precision, and a static config failed calibration saying it "saw no data"."""
     reasons: dict[int, str] = {}
-    for module in model.modules():
-        if isinstance(module, nn.MultiheadAttention) and type(module).forward is nn.MultiheadAttention.forward:
-            reasons[id(module.out_proj)] = (
-                "its parent nn.MultiheadAttention reads out_proj.weight itself (F.multi_head_attention_forward) and never "
-                "calls it; build the attention from nn.Linear projections to quantize it"
-            )
+    for _, module, reads in weight_reads(dict(canonical_modules(model))):
+        if not (reads.always and reads.runs_own_forward(module)):
+            continue
+        for child, where in reads.children(module).items():
+            advice = f"; {reads.advice}" if reads.advice else ""
+            reasons[id(module.get_submodule(child))] = f"its parent {where} and never calls it{advice}"
     return reasons
 
 
@@ -341,21 +348,6 @@ def module_device(module: nn.Module) -> torch.device:
     for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
         return t.device
     return torch.device("cpu")
-
-
-def check_not_meta(model: nn.Module, who: str, fix: str) -> None:
-    """Refuse a model with a parameter or buffer on the meta device (shapes, no values), naming the
-    first one: a meta tensor fails far from the cause ("Tensor.item() cannot be called on meta
-    tensors"). `fix`: what to do instead."""
-    for name, module in canonical_modules(model):
-        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
-            for key, t in tensors.items():
-                if t is not None and t.is_meta:
-                    full = f"{name}.{key}" if name else key
-                    raise ValueError(
-                        f"{who}: {kind} {full!r} is on the meta device (a shape without values: the model was built under "
-                        f"torch.device('meta') or loaded with device_map='meta'); {fix}"
-                    )
 
 
 def weight_view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -377,36 +369,16 @@ def static_amax_shape(module: nn.Module, slot: str, q: Quantizer | None) -> tupl
     return (experts,) if experts else ()
 
 
-def _fake_quant_class(base: type, mixin: type) -> type:
-    """The fake-quant class for modules of class `base` with `mixin` (one per pair, made on first use)."""
-    key = (mixin, base)
-    if key not in _CLASS_CACHE:
-        kind = next((k for cls, k, m, _ in _KINDS if m is mixin and issubclass(base, cls)), None)
-        attrs = {
-            "__module__": base.__module__,
-            "tq_kind": kind,
-            "tq_base": base,
-            "tq_mixin": mixin,
-            "__reduce_ex__": _reduce_generated,
-        }
-        _CLASS_CACHE[key] = type(f"FakeQuant{base.__name__}", (mixin, base), attrs)
-    return _CLASS_CACHE[key]
-
-
-def _new_fake_quant(base: type, mixin: type) -> nn.Module:
-    """Unpickling: an empty instance of `base`'s fake-quant class (its state is set after)."""
-    cls = _fake_quant_class(base, mixin)
-    return cls.__new__(cls)
-
-
 def swap_class(module: nn.Module) -> None:
     """Give `module` the fake-quant class of its kind (its quantizer children must exist)."""
-    module.__class__ = _fake_quant_class(base_class(module), kind_of(module)[1])
+    module.__class__ = generated_class(base_class(module), kind_of(module)[1])
 
 
 def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> None:
     """Make `module` fake-quantized in place with the given {slot: Quantizer | None}; an
-    `ExpertGemmQuantizers` is attached to its experts module, which gets the fake-quant experts class."""
+    `ExpertGemmQuantizers` is attached to its experts module, which gets the fake-quant experts class.
+    Run it through `tqcompile.surgery.plan.apply` (with the experts module in `touches`), whose
+    `Undo` puts the model back exactly."""
     experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS else None
     for slot in SLOTS:
         module.add_module(
@@ -418,22 +390,5 @@ def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> 
     owner = module.owner
     if not isinstance(owner, _ExpertsFQ):
         owner.tq_experts_layout = experts_layout(owner)
-        owner.__class__ = _fake_quant_class(base_class(owner), _ExpertsFQ)
+        owner.__class__ = generated_class(base_class(owner), _ExpertsFQ)
     owner.add_module(module.attr_name, module)
-
-
-def unconvert_module(module: nn.Module) -> None:
-    """Undo `convert_module` (used to leave a model as it was when calibration fails)."""
-    if isinstance(module, ExpertGemmQuantizers):
-        owner = module.owner
-        owner._modules.pop(module.attr_name, None)
-        if isinstance(owner, _ExpertsFQ) and not any(isinstance(c, ExpertGemmQuantizers) for c in owner.children()):
-            owner.__class__ = base_class(owner)
-            del owner.tq_experts_layout
-        return
-    if not isinstance(module, FakeQuantModule):
-        return
-    module.__class__ = base_class(module)
-    for slot in SLOTS:
-        if f"{slot}_quantizer" in module._modules:
-            del module._modules[f"{slot}_quantizer"]

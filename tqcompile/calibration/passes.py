@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.calibration.modules import canonical_modules
+from tqcompile.surgery.names import unwrap
 
 __all__ = ["run_loop", "reduce_stats", "CalibrationWarning"]
 
@@ -33,7 +33,7 @@ def run_loop(model: nn.Module, forward_loop, modules: list[nn.Module], desc: str
         calls[1] += 1
 
     # On the module inside any DDP / compile wrapper: calling the wrapper calls it too.
-    handles = [next(m for _, m in canonical_modules(model)).register_forward_pre_hook(count_model)]
+    handles = [unwrap(model).register_forward_pre_hook(count_model)]
     handles += [m.register_forward_pre_hook(count_module) for m in modules]
     try:
         with torch.no_grad():

@@ -46,9 +46,8 @@ from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.layer_stats import WeightUndo
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
+    SHARDED_FIX,
     FakeQuantModule,
-    canonical_modules,
-    check_not_meta,
     class_name,
     convert_module,
     holds_quantizers,
@@ -58,7 +57,7 @@ from tqcompile.calibration.modules import (
     quant_units,
     read_by_parent,
     static_amax_shape,
-    unconvert_module,
+    unit_decision,
     unsupported_reason,
     weight_view,
 )
@@ -67,6 +66,9 @@ from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
 from tqcompile.calibration.transforms import run_transforms
 from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
+from tqcompile.surgery.checks import check_not_meta, check_not_sharded
+from tqcompile.surgery.names import canonical_modules, unwrap
+from tqcompile.surgery.plan import Decision, Undo, apply
 
 __all__ = ["calibrate", "prepare", "ALGORITHMS", "CalibrationWarning"]
 
@@ -84,34 +86,9 @@ class CalibrationRecord:
     percentile: float
 
 
-@dataclasses.dataclass
-class _Planned:
-    name: str
-    module: nn.Module
-    quantizers: dict[str, Quantizer | None]
-
-
-def check_not_sharded(name: str, module: nn.Module, who: str) -> None:
-    """Refuse a module whose own parameters fully_shard or parallelize_module already made DTensors.
-
-    Calibrating (or restoring into) a sharded model failed at the first forward, deep in DTensor
-    dispatch ("tqcompile.quantize.default got mixed torch.Tensor and DTensor"), naming neither the
-    layer nor the order; and weight amaxes taken from shards are not the whole weight's. The
-    supported order is the unsharded model first, then shard (QAT under FSDP2 then trains exactly
-    as in one process)."""
-    from torch.distributed.tensor import DTensor
-
-    for p_name, param in module.named_parameters(recurse=False):
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"{who}: module {name!r} is already sharded: its {p_name} is a DTensor with placements "
-                f"{tuple(param.placements)} (made by fully_shard or parallelize_module). Quantize the unsharded model "
-                f"first, then shard it: {who}, then torch.compile per block, then fully_shard (docs/qat.md)"
-            )
-
-
-def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) -> list[_Planned]:
-    """What `calibrate` would do to each module (raises ConfigError on a config that cannot apply)."""
+def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) -> list[Decision]:
+    """What `calibrate` would do to each quantizable unit, as the surgery layer's `Decision`s, each
+    converted with {slot: Quantizer | None} (raises ConfigError on a config that cannot apply)."""
     planned, matched, skipped = [], [False] * len(config.rules), []
     parent_reads = read_by_parent(model)
     for name, module in quant_units(model):
@@ -125,13 +102,14 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
         found = kind_of(module)
         if found is None:
             continue
-        check_not_sharded(name, params_owner(module), "tq.calibrate")
+        check_not_sharded("tq.calibrate", "module", name, params_owner(module), SHARDED_FIX.format(who="tq.calibrate"))
         kind, _, allowed = found
         reason = unsupported_reason(module) or parent_reads.get(id(module))
         quantizers = config.resolve(name, module)
         if reason:
             if any(quantizers.values()):
                 skipped.append(f"  {name} ({class_name(module)}): {reason}")
+            planned.append(unit_decision(name, module, quantizers, "skip", reason))
             continue
         for slot in SLOTS:
             q = quantizers[slot]
@@ -149,16 +127,16 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                 "(they have no finite scale); fix the weights, or disable the quantizer with "
                 f"QuantRule(name={name!r}, weight=False)"
             )
+        note = ""
         if wq is not None:
             w = weight_view(module, module.weight)
             try:
                 wq.check_shape(w.shape[1:] if kind in PER_EXPERT_KINDS else w.shape)
             except ValueError as e:
-                skipped.append(
-                    f"  {name} ({class_name(module)}): weight quantizer disabled, its {tuple(w.shape)} weight does not fit: {e}"
-                )
+                note = f"weight quantizer disabled, its {tuple(w.shape)} weight does not fit: {e}"
+                skipped.append(f"  {name} ({class_name(module)}): {note}")
                 quantizers["weight"] = None
-        planned.append(_Planned(name, module, quantizers))
+        planned.append(unit_decision(name, module, quantizers, reason=note))
     if warn_unmatched:
         for i, rule in enumerate(config.rules):
             if rule.must_match and not matched[i]:
@@ -250,14 +228,13 @@ def calibrate(
         "calibration runs data through the real weights: materialize them first, e.g. model.to_empty(device='cpu') "
         "then model.load_state_dict(weights), or load the model without device_map='meta'",
     )
-    planned = plan(model, config)
+    planned = _to_convert(plan(model, config))
     _warn_training(model)
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
-    undo = WeightUndo()
+    undo, surgery = WeightUndo(), Undo()
     buffers = list(model.buffers())
     try:
-        for p in planned:
-            convert_module(p.module, p.name, p.quantizers, config.ste)
+        surgery = apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
         tqs = _quantizers(planned)
         for t in tqs:
             t.calibrating = True
@@ -290,8 +267,7 @@ def calibrate(
         _finalize(planned, search, percentile, groups, methods, fixed)
     except BaseException:
         undo.restore()
-        for p in planned:
-            unconvert_module(p.module)
+        surgery.undo()
         with torch.no_grad():
             for b in buffers:
                 if id(b) in saved_buffers:
@@ -305,7 +281,7 @@ def set_record(model: nn.Module, converted: list[nn.Module], record: Calibration
     """Keep `record` on the model (inside any DDP / compile wrapper, so it survives (un)wrapping) and on
     every converted module, so that `tq.quant_state` of a submodule (e.g. the inner model of a wrapper
     tqcompile does not strip) finds it too."""
-    for m in (next(m for _, m in canonical_modules(model)), *converted):
+    for m in (unwrap(model), *converted):
         m.tq_calibration = record
 
 
@@ -320,9 +296,8 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"tq.calibration.prepare: config must be a QuantConfig, got {type(config).__name__}")
-    planned = plan(model, config)
-    for p in planned:
-        convert_module(p.module, p.name, p.quantizers, config.ste)
+    planned = _to_convert(plan(model, config))
+    apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
     for p in planned:
         m = p.module
         for slot, t in m.quantizers().items():
@@ -355,7 +330,11 @@ def _warn_training(model: nn.Module) -> None:
         )
 
 
-def _quantizers(planned: list[_Planned]) -> list[TensorQuantizer]:
+def _to_convert(decisions: list[Decision]) -> list[Decision]:
+    return [d for d in decisions if d.action == "convert"]
+
+
+def _quantizers(planned: list[Decision]) -> list[TensorQuantizer]:
     return [q for p in planned for q in p.module.quantizers().values()]
 
 
@@ -365,7 +344,7 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     )
 
 
-def _finalize(planned: list[_Planned], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
+def _finalize(planned: list[Decision], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
     """Turn statistics into amaxes. `fixed`: {id(unit): weight amax} a transform (GPTQ) chose, which
     the weight it rounded needs as it is; `methods`: {id(unit): how its weight was rounded}."""
     methods, fixed = methods or {}, fixed or {}

@@ -1,7 +1,8 @@
 """`tq.quant_state` / `tq.restore`: save a calibrated model's quantization state, rebuild it on a
 freshly built float model, and `tq.summary`, the table of every quantizable module.
 
-The state is keyed by *canonical* module names (wrapper components removed) and records each
+The state is keyed by *canonical* module names (wrapper components removed; it is read off the
+model's `LayerSpec`s, `tqcompile.surgery.specs`) and records each
 module's *kind* (its family: BatchNorm2d and SyncBatchNorm are both "BatchNorm"), so a state saved
 from a DDP-wrapped SyncBatchNorm model restores into a plain single-process BatchNorm model and
 back. It holds plain Python values and tensors only: ``torch.load(path, weights_only=True)``
@@ -23,15 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tqcompile.calibration.algorithms import SCALE_SEARCH
 from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
-from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
+    SHARDED_FIX,
     FakeQuantModule,
-    canonical_modules,
-    class_name,
     convert_module,
     holds_quantizers,
     kind_of,
@@ -41,10 +39,15 @@ from tqcompile.calibration.modules import (
     read_by_parent,
     static_amax_shape,
     swap_class,
+    unit_decision,
     unsupported_reason,
 )
-from tqcompile.calibration.pipeline import CalibrationRecord, CalibrationWarning, check_not_sharded, set_record
+from tqcompile.calibration.pipeline import CalibrationRecord, CalibrationWarning, set_record
 from tqcompile.quantizers import Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
+from tqcompile.surgery.checks import check_not_sharded
+from tqcompile.surgery.names import canonical_modules
+from tqcompile.surgery.plan import Decision, apply
+from tqcompile.surgery.specs import LayerSpec, OperandSpec, layer_specs
 
 if TYPE_CHECKING:  # only a hint: torch.distributed may be unavailable on some platforms
     from torch.distributed.device_mesh import DeviceMesh
@@ -54,17 +57,9 @@ __all__ = ["quant_state", "restore", "reattach", "summary", "QuantSummary", "Sum
 STATE_FORMAT = "tqcompile.quant_state/1"
 
 
-def _slots_of(module: nn.Module) -> dict[str, TensorQuantizer] | None:
-    qs = {s: module._modules.get(f"{s}_quantizer") for s in SLOTS}
-    return qs if all(isinstance(q, TensorQuantizer) for q in qs.values()) else None
-
-
-def quantized_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, dict[str, TensorQuantizer]]]:
-    """(canonical name, module, its quantizers) of every fake-quantized module."""
-    for name, module in canonical_modules(model):
-        qs = _slots_of(module)
-        if qs is not None:
-            yield name, module, qs
+def calibrated_layers(model: nn.Module) -> Iterator[LayerSpec]:
+    """The `LayerSpec` of every fake-quantized module of `model` (every quantizer off included)."""
+    return (spec for spec in layer_specs(model) if spec.source == "calibrated")
 
 
 def _record(model: nn.Module) -> CalibrationRecord:
@@ -77,10 +72,11 @@ def _record(model: nn.Module) -> CalibrationRecord:
     )
 
 
-def _warn_detached(name: str, module: nn.Module, qs: dict[str, TensorQuantizer], what: str) -> None:
-    if not isinstance(module, FakeQuantModule) and any(q.enabled for q in qs.values()):
+def _warn_detached(spec: LayerSpec, what: str) -> None:
+    module = spec.unit
+    if not isinstance(module, FakeQuantModule) and any(op is not None for op in spec.operands().values()):
         warnings.warn(
-            f"{what}: {name!r} ({type(module).__name__}) was replaced after quantization (e.g. by convert_sync_batchnorm) and its "
+            f"{what}: {spec.name!r} ({type(module).__name__}) was replaced after quantization (e.g. by convert_sync_batchnorm) and its "
             "enabled quantizers no longer run; call tq.calibration.reattach(model)",
             CalibrationWarning,
             stacklevel=3,
@@ -90,9 +86,9 @@ def _warn_detached(name: str, module: nn.Module, qs: dict[str, TensorQuantizer],
 def reattach(model: nn.Module) -> nn.Module:
     """Give modules that hold quantizers but lost their fake-quant class (a module replaced after
     quantization that kept its children, as `convert_sync_batchnorm` does) their forward back."""
-    for _, module, _ in list(quantized_modules(model)):
-        if not isinstance(module, FakeQuantModule):
-            swap_class(module)
+    for spec in list(calibrated_layers(model)):
+        if not isinstance(spec.unit, FakeQuantModule):
+            swap_class(spec.unit)
     return model
 
 
@@ -117,24 +113,25 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
     """
     rec = _record(model)
     modules: dict[str, Any] = {}
-    for name, module, qs in quantized_modules(model):
-        _warn_detached(name, module, qs, "tq.quant_state")
-        entry: dict[str, Any] = {"kind": kind_of(module)[0]}
-        for s, q in qs.items():
-            amax = None if q.amax is None else q.amax.detach()
+    for spec in calibrated_layers(model):
+        name = spec.name
+        _warn_detached(spec, "tq.quant_state")
+        entry: dict[str, Any] = {"kind": spec.kind}
+        for s, op in spec.operands().items():
+            amax = None if op is None or op.amax is None else op.amax.detach()
             if amax is not None and amax.is_meta:
                 raise ValueError(
                     f"tq.quant_state: the {s} amax of {name!r} is on the meta device (it holds no values: the model was "
                     "built, prepared or restored on the meta device); save the state of a model with real weights, "
                     "calibrated or restored on a real device"
                 )
-            if amax is not None and expert_mesh is not None and q.num_experts is not None and amax.dim() > 0:
+            if amax is not None and expert_mesh is not None and op.per_expert and amax.dim() > 0:
                 from torch.distributed.tensor import DTensor, Shard
 
                 amax = DTensor.from_local(amax, expert_mesh, [Shard(0)], run_check=False)
-            entry[s] = {"quantizer": None if q.quantizer is None else quantizer_to_dict(q.quantizer), "amax": amax}
-            if transformed(q):
-                entry[s]["method"] = q.method  # how GPTQ / AWQ / SmoothQuant made the weight, for tq.summary
+            entry[s] = {"quantizer": None if op is None else quantizer_to_dict(op.quantizer), "amax": amax}
+            if op is not None and op.method is not None:
+                entry[s]["method"] = op.method  # how GPTQ / AWQ / SmoothQuant made the weight, for tq.summary
         modules[name] = entry
     return {
         "format": STATE_FORMAT,
@@ -177,7 +174,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         if holds_quantizers(module):
             raise ValueError(f"tq.restore: module {name!r} is already fake-quantized; restore into a freshly built float model")
         if kind_of(module) is not None and unsupported_reason(module) is None and id(module) not in parent_reads:
-            check_not_sharded(name, params_owner(module), "tq.restore")
+            check_not_sharded("tq.restore", "module", name, params_owner(module), SHARDED_FIX.format(who="tq.restore"))
             current[name] = module
     saved: dict[str, Any] = state["modules"]
     missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))
@@ -187,7 +184,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
             f"modules in the state but not in the model: {missing or 'none'}; modules in the model but not in the state: {extra or 'none'}"
             + _wrapper_hint(set(saved), set(current))
         )
-    plans = []
+    plan: list[Decision] = []
     for name, entry in saved.items():
         module = current[name]
         kind = kind_of(module)[0]
@@ -200,14 +197,18 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         amaxes = {s: _own_shard(entry[s]["amax"]) for s in SLOTS}
         for s in SLOTS:
             _check_amax(name, module, s, qs[s], amaxes[s])
-        plans.append((name, module, qs, amaxes))
-    for name, module, qs, amaxes in plans:  # everything checked: now change the model
-        convert_module(module, name, qs, ste)
-        for s, tq_ in module.quantizers().items():
+        plan.append(unit_decision(name, module, (qs, amaxes)))
+
+    def convert(d: Decision) -> None:
+        qs, amaxes = d.using
+        convert_module(d.module, d.name, qs, ste)
+        for s, tq_ in d.module.quantizers().items():
             a = amaxes[s]
-            tq_.set_amax(None if a is None else a.to(module_device(module)))
-            tq_.method = saved[name][s].get("method")
-    differed = share_fused_weight_amax([(name, module) for name, module, _, _ in plans])
+            tq_.set_amax(None if a is None else a.to(module_device(d.module)))
+            tq_.method = saved[d.name][s].get("method")
+
+    apply(plan, convert)  # everything checked: now change the model
+    differed = share_fused_weight_amax([(d.name, d.module) for d in plan])
     if differed:
         warnings.warn(
             "tq.restore: the state holds different NVFP4 weight amaxes for layers that serving engines fuse into one GEMM "
@@ -216,7 +217,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
             CalibrationWarning,
             stacklevel=2,
         )
-    set_record(model, [p[1] for p in plans], CalibrationRecord(config, state["algorithm"], float(state["percentile"])))
+    set_record(model, [d.module for d in plan], CalibrationRecord(config, state["algorithm"], float(state["percentile"])))
     return model
 
 
@@ -295,20 +296,15 @@ def describe_quantizer(q: Quantizer) -> str:
     return f"{q.format.name if isinstance(q, IntQuantizer) else q.format.name} {how}"
 
 
-def transformed(q: TensorQuantizer) -> bool:
-    """Whether a weight transform (GPTQ, AWQ, SmoothQuant) made this quantizer's weight."""
-    return q.enabled and q.method is not None and q.method not in SCALE_SEARCH
-
-
-def _describe(q: TensorQuantizer) -> str:
-    if not q.enabled:
+def _describe(op: OperandSpec | None) -> str:
+    if op is None:
         return "off"
-    text = describe_quantizer(q.quantizer)
-    if q.amax is None:
+    text = describe_quantizer(op.quantizer)
+    if op.amax is None:
         return f"{text} (dynamic)"
-    if q.amax.is_meta:  # a restored or prepared skeleton: a shape, no values
-        return f"{text} amax{tuple(q.amax.shape)} on meta"
-    a = q.amax.float()
+    if op.amax.is_meta:  # a restored or prepared skeleton: a shape, no values
+        return f"{text} amax{tuple(op.amax.shape)} on meta"
+    a = op.amax.float()
     if a.numel() == 1:
         return f"{text} amax={float(a):.4g}"
     return f"{text} amax{tuple(a.shape)}∈[{float(a.min()):.3g}, {float(a.max()):.3g}]"
@@ -359,17 +355,10 @@ def summary(model: nn.Module) -> QuantSummary:
         >>> print(tq.summary(model))
     """
     rows = []
-    for name, module, qs in quantized_modules(model):
-        _warn_detached(name, module, qs, "tq.summary")
-        rows.append(
-            SummaryRow(
-                name,
-                class_name(module),
-                kind_of(module)[0],
-                *(_describe(qs[s]) for s in SLOTS),
-                qs["weight"].method if transformed(qs["weight"]) else "",
-            )
-        )
+    for spec in calibrated_layers(model):
+        _warn_detached(spec, "tq.summary")
+        method = spec.weight.method if spec.weight is not None else None
+        rows.append(SummaryRow(spec.name, spec.module_class, spec.kind, *map(_describe, spec.operands().values()), method or ""))
     if not rows:
         raise ValueError("tq.summary: the model has no fake-quantized module; run tq.calibrate or tq.restore first")
     return QuantSummary(tuple(rows))

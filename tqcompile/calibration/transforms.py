@@ -41,9 +41,10 @@ from tqcompile.calibration.layer_stats import (
     tied_parameters,
     weight_of,
 )
-from tqcompile.calibration.modules import canonical_modules, kind_of, module_device
+from tqcompile.calibration.modules import kind_of, module_device
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.calibration.smoothing import smooth
+from tqcompile.surgery.names import canonical_modules, unwrap
 
 __all__ = ["run_transforms", "sequential_groups"]
 
@@ -75,7 +76,7 @@ def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[t
 def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo):
     """Run `plan`'s weight transforms on the planned (converted, calibrating) units; returns
     ({id(unit): method}, {id(unit): static weight amax fixed by GPTQ})."""
-    root = next(m for _, m in canonical_modules(model))
+    root = unwrap(model)
     names = {id(p.module): p.name for p in planned}
     units = [(p.name, p.module) for p in planned if p.module.weight_quantizer.enabled and kind_of(p.module)[0] in TRANSFORM_KINDS]
     device = module_device(units[0][1]) if units else torch.device("cpu")

@@ -5,7 +5,8 @@ high-precision tensors the FSDP2 weight wrapper (`QuantizedWeight`) holds, so DC
 any model: a
 checkpoint saved by FSDP2 on 2 ranks loads into 1 process and the other way round. What DCP cannot
 check is that the checkpoint was made for the same quantization: `save` adds one entry, the recipe
-of every converted layer, and `load` compares it before it loads anything else.
+of every converted layer by canonical name (the model's `LayerSpec`s, `tqcompile.surgery`), and
+`load` compares it before it loads anything else.
 
 A fused `ColwiseParallel` tensor (`fused_chunks` > 1 on a 1-D TP mesh, placed `_StridedShard`, which
 DCP's planner rejects) is saved as a `(chunks, N/chunks, ...)` tensor split plainly on dim 1, holding
@@ -38,38 +39,45 @@ from torch.utils._pytree import tree_map_only
 
 from tqcompile.distributed.fsdp import QuantizedWeight
 from tqcompile.nn.base import is_converted
+from tqcompile.surgery.names import canonical_renamer
+from tqcompile.surgery.specs import layer_specs
 
-__all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError"]
+__all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError", "FUSED_CHUNKS_KEY", "dcp_call"]
 
 _KEY = "tqcompile_quantization"
-_FUSED_KEY = "tqcompile_fused_chunks"
-_WRAPPER_COMPONENTS = frozenset(("_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+# The entry `save` adds: {state path: chunks} of the fused ColwiseParallel tensors it stacked (see above).
+FUSED_CHUNKS_KEY = "tqcompile_fused_chunks"
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint made for another model or another quantization recipe."""
 
 
-def _clean(fqn: str) -> str:
-    # Wrappers (compile, DDP, activation checkpointing) add components that are not part of the model.
-    # Whole components only: a substring match turned a user's "encoder.submodule.fc" into "encoder.subfc".
+def quantization_metadata(model: nn.Module) -> dict[str, str]:
+    """{layer name: its recipe's repr} for every converted layer of `model`, by canonical name."""
+    return {spec.layer: repr(spec.recipe) for spec in layer_specs(model) if spec.recipe is not None}
+
+
+# The names checkpoints written before canonical names hold: wrapper components removed from the raw
+# names by string, as whole components (which also dropped a user's own component named "module"), and
+# before that as substrings (which cut a user's "encoder.submodule.fc" into "encoder.subfc"). `load`
+# matches a checkpoint saved under either.
+_WRAPPER_COMPONENTS = ("_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _components_removed(fqn: str) -> str:
     return ".".join(c for c in fqn.split(".") if c not in _WRAPPER_COMPONENTS)
 
 
-def _legacy_clean(fqn: str) -> str:
-    """The name checkpoints written before `_clean` kept whole components hold (substrings removed)."""
-    for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        fqn = fqn.replace(prefix, "")
+def _substrings_removed(fqn: str) -> str:
+    for component in _WRAPPER_COMPONENTS:
+        fqn = fqn.replace(f"{component}.", "")
     return fqn
 
 
-def quantization_metadata(model: nn.Module) -> dict[str, str]:
-    """{layer name: its recipe's repr} for every converted layer of `model` (wrapper components removed)."""
-    return _layer_recipes(model, _clean)
-
-
-def _layer_recipes(model: nn.Module, clean) -> dict[str, str]:
-    return {clean(name): repr(m.recipe) for name, m in model.named_modules() if is_converted(m)}
+def _older_metadata(model: nn.Module, rename) -> dict[str, str]:
+    """`quantization_metadata` under an older naming of the raw module names."""
+    return {rename(name): repr(m.recipe) for name, m in model.named_modules() if is_converted(m)}
 
 
 def _plain(value):
@@ -100,13 +108,14 @@ def _check_describable(model: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    rename = canonical_renamer(model)
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor) or len(p.placements) < 3:
             continue
         inner = p.placements[-1]
         if isinstance(inner, _StridedShard) and any(getattr(pl, "dim", None) == inner.dim for pl in p.placements[:-1]):
             raise ValueError(
-                f"checkpoint: parameter {_clean(name)!r} is placed {p.placements} on a {p.device_mesh.ndim}-D mesh: a fused "
+                f"checkpoint: parameter {rename(name)!r} is placed {p.placements} on a {p.device_mesh.ndim}-D mesh: a fused "
                 "ColwiseParallel weight (fused_chunks > 1) sharded again on dim 0 checkpoints on a 2-D (dp, tp) mesh only. "
                 "Parallelize that layer with fused_chunks=1 (separate projections), or use a 2-D mesh"
             )
@@ -222,11 +231,11 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_i
         if chunks > 1:
             fused[path] = chunks
             container[key] = _stacked(container[key], chunks)
-    state[_FUSED_KEY] = json.dumps(fused, sort_keys=True)
-    _dcp(dcp.save, state, checkpoint_id)
+    state[FUSED_CHUNKS_KEY] = json.dumps(fused, sort_keys=True)
+    dcp_call(dcp.save, state, checkpoint_id)
 
 
-def _dcp(call, state: dict, checkpoint_id) -> None:
+def dcp_call(call, state: dict, checkpoint_id) -> None:
     """`dcp.save` or `dcp.load`, told `no_dist` when there is no process group. DCP then warns on
     every call that it is "assuming the intent is to save/load in a single process", even when told
     so (torch 2.13): one process is a layout `save`/`load` support, not a guess, so that note is
@@ -268,19 +277,22 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
-    meta = {_KEY: "", _FUSED_KEY: ""}
+    meta = {_KEY: "", FUSED_CHUNKS_KEY: ""}
     try:
-        _dcp(dcp.load, meta, checkpoint_id)
+        dcp_call(dcp.load, meta, checkpoint_id)
     except Exception:  # written before fused tensors were stacked (it holds none), or not by `save`
         meta = {_KEY: ""}
         _load_metadata(meta, checkpoint_id)
-        meta[_FUSED_KEY] = "{}"
+        meta[FUSED_CHUNKS_KEY] = "{}"
     saved_layers, current = json.loads(meta[_KEY]), quantization_metadata(model)
-    if saved_layers.keys() != current.keys():
-        legacy = _layer_recipes(model, _legacy_clean)
-        current = legacy if saved_layers.keys() == legacy.keys() else current  # an older checkpoint's names
+    if saved_layers.keys() != current.keys():  # maybe an older checkpoint's names
+        for rename in (_components_removed, _substrings_removed):
+            older = _older_metadata(model, rename)
+            if saved_layers.keys() == older.keys():
+                current = older
+                break
     _check(saved_layers, current, checkpoint_id)
-    saved_fused = json.loads(meta[_FUSED_KEY])
+    saved_fused = json.loads(meta[FUSED_CHUNKS_KEY])
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -316,7 +328,7 @@ def load(
             )
         elif saved > 1:  # a plain tensor here: read the stacked rows into a view of it
             container[key] = _plain(value).view(saved, -1, *value.shape[1:])
-    _dcp(dcp.load, target, checkpoint_id)
+    dcp_call(dcp.load, target, checkpoint_id)
     with torch.no_grad():
         for value, full, chunks in gathered:
             world, rank = value.device_mesh.size(), value.device_mesh.get_local_rank()
@@ -335,7 +347,7 @@ def _load_metadata(meta: dict, checkpoint_id) -> None:
     import torch.distributed.checkpoint as dcp
 
     try:
-        _dcp(dcp.load, meta, checkpoint_id)
+        dcp_call(dcp.load, meta, checkpoint_id)
     except Exception as e:  # DCP's error for a missing key is long; say what is missing
         if _KEY in str(e) or "Missing key" in str(e):
             raise CheckpointMismatchError(

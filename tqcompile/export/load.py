@@ -28,14 +28,7 @@ from torch import nn
 from tqcompile.calibration.config import QuantConfig, QuantRule
 from tqcompile.calibration.fake_quant import static_amax_kind
 from tqcompile.calibration.fused import share_fused_weight_amax
-from tqcompile.calibration.modules import (
-    ExpertGemmQuantizers,
-    canonical_modules,
-    holds_quantizers,
-    kind_of,
-    module_device,
-    quant_units,
-)
+from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers, kind_of, module_device, quant_units
 from tqcompile.calibration.pipeline import CalibrationWarning, prepare
 from tqcompile.export.decode import (
     DecodedLayer,
@@ -51,6 +44,7 @@ from tqcompile.export.names import Placement, placements
 from tqcompile.export.units import ExportError
 from tqcompile.nn.base import is_converted
 from tqcompile.quantizers import Granularity
+from tqcompile.surgery.names import canonical_modules
 
 __all__ = ["load_exported"]
 

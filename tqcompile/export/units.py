@@ -1,4 +1,5 @@
-"""What an export writes, read off a model: one `ExportUnit` per quantized GEMM weight, and its
+"""What an export writes, read off a model's `LayerSpec`s (`tqcompile.surgery.specs`, whichever way
+it was quantized): one `ExportUnit` per quantized GEMM weight, and its
 quantized payload and scales (`QuantizedWeight`), computed by the same `tq.quantize` that PTQ's
 fake quantization and training run, so an exported weight dequantizes to exactly what the model
 computed with.
@@ -18,20 +19,14 @@ Three kinds of model hold quantized GEMMs:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from tqcompile.api import quantize
-from tqcompile.calibration.modules import ExpertGemmQuantizers, canonical_modules
-from tqcompile.calibration.state import _slots_of
-from tqcompile.nn.base import is_converted
-from tqcompile.nn.experts import QuantizedExperts
-from tqcompile.nn.grouped import GroupedLinear
-from tqcompile.nn.quantized_linear import Linear as QuantLinear
 from tqcompile.ops import amax as tensor_amax
 from tqcompile.quantizers import NVFP4Quantizer, Quantizer
+from tqcompile.surgery.specs import LayerSpec, layer_specs
 
 __all__ = ["ExportError", "ExportUnit", "QuantizedWeight", "collect_units", "quantize_unit", "full_tensor"]
 
@@ -84,39 +79,37 @@ class QuantizedWeight:
     amax: torch.Tensor | None
 
 
-def _calibrated_unit(name: str, module: nn.Module, qs: dict) -> ExportUnit | None:
-    w, i, o = qs["weight"], qs["input"], qs["output"]
-    if not (w.enabled or i.enabled or o.enabled):
+_SERVED_KINDS = ("Linear", "Experts", "GroupedLinear")
+
+
+def _export_unit(spec: LayerSpec) -> ExportUnit | None:
+    """The unit an export writes for one quantized layer (None: a calibrated layer with every quantizer off)."""
+    if spec.recipe is not None:
+        return _recipe_unit(spec)
+    w, i, o = spec.weight, spec.input, spec.output
+    if w is None and i is None and o is None:
         return None  # converted, every slot disabled: a float layer
-    kind = getattr(module, "tq_kind", type(module).__name__)
-    if kind not in ("Linear", "Experts", "GroupedLinear"):
+    name = spec.name
+    if spec.kind not in _SERVED_KINDS:
         raise ExportError(
-            f"tq.export: {kind} {name!r} is quantized, but serving formats quantize only linear layers "
+            f"tq.export: {spec.kind} {name!r} is quantized, but serving formats quantize only linear layers "
             f"(and MoE experts); keep it in high precision: QuantRule.disable({name!r}) in the config"
         )
-    if o.enabled:
+    if o is not None:
         raise ExportError(
             f"tq.export: layer {name!r} quantizes its output ({o.quantizer!r}); serving formats quantize a "
             "layer's weight and input only: disable the output quantizer (QuantRule(..., output=False))"
         )
-    if not w.enabled:
+    if w is None:
         raise ExportError(
             f"tq.export: layer {name!r} quantizes its input but not its weight; serving formats need a quantized "
             "weight wherever the input is quantized: enable its weight quantizer or disable the layer"
         )
-    experts = isinstance(module, ExpertGemmQuantizers) or kind == "GroupedLinear"
-    if isinstance(module, ExpertGemmQuantizers):
-        owner_name = name.rsplit(".", 1)[0]
-        _check_not_transposed(name, module.gemm.transposed)
-        weight_key = f"{owner_name}.{module.gemm.weight}"
-        bias_key = None if module.gemm.bias is None else f"{owner_name}.{module.gemm.bias}"
-    else:
-        weight_key = f"{name}.weight"
-        bias_key = f"{name}.bias" if getattr(module, "bias", None) is not None else None
-    iq = i.quantizer if i.enabled else None
-    iamax = i.amax.detach().float() if i.enabled and i.amax is not None else None
+    _check_not_transposed(name, spec.transposed)
+    iq = None if i is None else i.quantizer
+    iamax = None if i is None or i.amax is None else i.amax.detach().float()
     wamax = None if w.amax is None else w.amax.detach().float()
-    return ExportUnit(name, weight_key, bias_key, w.quantizer, wamax, iq, iamax, experts, "calibrated")
+    return ExportUnit(name, spec.weight_key, spec.bias_key, w.quantizer, wamax, iq, iamax, spec.experts, spec.source)
 
 
 def _check_not_transposed(name: str, transposed: bool) -> None:
@@ -128,42 +121,25 @@ def _check_not_transposed(name: str, transposed: bool) -> None:
         )
 
 
-def _recipe_units(name: str, module: nn.Module) -> Iterator[ExportUnit]:
-    recipe = module.recipe
-    wq, iq = recipe.fprop_weight, recipe.fprop_input
-    src = f"recipe {recipe.name}"
+def _recipe_unit(spec: LayerSpec) -> ExportUnit:
+    """A layer `tq.convert` converted: weights and inputs quantized as training did, from each tensor."""
+    if spec.kind not in _SERVED_KINDS:
+        raise ExportError(
+            f"tq.export: {type(spec.unit).__name__} {spec.name!r} was converted by tq.convert, but serving formats hold only "
+            "linear layers and MoE experts quantized; leave it out of the conversion (tq.convert's filter_fn)"
+        )
+    iq, src = spec.input.quantizer, spec.source
     if isinstance(iq, NVFP4Quantizer):
         # An NVFP4 activation's global scale is static in every serving format, and training
         # computed it from each input: without a calibrated amax, the weights export alone.
         iq, src = None, src + "; activations 16-bit: calibrate an NVFP4 input amax (tq.calibrate) for W4A4"
-    if isinstance(module, QuantizedExperts):
-        for g in module.tq_experts_layout.gemms:
-            unit_name = f"{name}.{g.weight}_gemm"
-            _check_not_transposed(unit_name, g.transposed)
-            bias = None if g.bias is None else f"{name}.{g.bias}"
-            yield ExportUnit(unit_name, f"{name}.{g.weight}", bias, wq, None, iq, None, True, src)
-    elif isinstance(module, (QuantLinear, GroupedLinear)):
-        bias = f"{name}.bias" if module.bias is not None else None
-        yield ExportUnit(name, f"{name}.weight", bias, wq, None, iq, None, isinstance(module, GroupedLinear), src)
-    else:
-        raise ExportError(
-            f"tq.export: {type(module).__name__} {name!r} was converted by tq.convert, but serving formats hold only "
-            "linear layers and MoE experts quantized; leave it out of the conversion (tq.convert's filter_fn)"
-        )
+    _check_not_transposed(spec.name, spec.transposed)
+    return ExportUnit(spec.name, spec.weight_key, spec.bias_key, spec.weight.quantizer, None, iq, None, spec.experts, src)
 
 
 def collect_units(model: nn.Module) -> list[ExportUnit]:
     """Every quantized GEMM weight of `model`, in module order (see the module docstring)."""
-    units = []
-    for name, module in canonical_modules(model):
-        qs = _slots_of(module)
-        if qs is not None:
-            unit = _calibrated_unit(name, module, qs)
-            if unit is not None:
-                units.append(unit)
-        elif is_converted(module):
-            units.extend(_recipe_units(name, module))
-    return units
+    return [unit for spec in layer_specs(model) if (unit := _export_unit(spec)) is not None]
 
 
 def _rne(q: Quantizer) -> Quantizer:

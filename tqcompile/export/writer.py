@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from tqcompile.calibration.fused import FUSED_SIBLINGS, fused_nvfp4_groups, shared_amax
-from tqcompile.calibration.modules import canonical_modules, check_not_meta
 from tqcompile.export import compressed_tensors as ct
 from tqcompile.export import modelopt as mo
 from tqcompile.export.files import Destination
@@ -22,6 +21,8 @@ from tqcompile.export.names import Placement, is_hf_model, placements
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit, weight_tensor_amax
 from tqcompile.nn.histories import HISTORY_PREFIX
+from tqcompile.surgery.checks import check_not_meta
+from tqcompile.surgery.names import canonical_modules, unwrap
 
 __all__ = ["export", "ExportReport", "ExportRow", "ExportWarning", "FORMATS"]
 
@@ -120,15 +121,15 @@ def _dcp_reader(checkpoint):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from tqcompile.distributed.checkpoint import _FUSED_KEY, _dcp
+    from tqcompile.distributed.checkpoint import FUSED_CHUNKS_KEY, dcp_call
 
     reader = dcp.FileSystemReader(str(checkpoint))
     meta = reader.read_metadata().state_dict_metadata
     fused = {}
-    if _FUSED_KEY in meta:
-        holder = {_FUSED_KEY: ""}
-        _dcp(dcp.load, holder, checkpoint)
-        fused = json.loads(holder[_FUSED_KEY])
+    if FUSED_CHUNKS_KEY in meta:
+        holder = {FUSED_CHUNKS_KEY: ""}
+        dcp_call(dcp.load, holder, checkpoint)
+        fused = json.loads(holder[FUSED_CHUNKS_KEY])
 
     def read(key: str, value: torch.Tensor) -> torch.Tensor:
         entry = meta.get(f"model.{key}")
@@ -137,7 +138,7 @@ def _dcp_reader(checkpoint):
         if f"model/{key}" in fused:
             raise ExportError(f"tq.export: {key!r} is saved as fused tensor-parallel chunks; load the checkpoint into the model and export that")
         holder = {"model": {key: torch.empty(entry.size, dtype=entry.properties.dtype)}}
-        _dcp(dcp.load, holder, checkpoint)
+        dcp_call(dcp.load, holder, checkpoint)
         return holder["model"][key]
 
     return read
@@ -377,7 +378,7 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
         lost = [u.weight_key for u in units if u.weight_key not in state]
         if lost:  # never write a quantized layer as float
             raise ExportError(f"tq.export: cannot find the weights {lost} among the model's parameters")
-        model = _unwrap(model)
+        model = unwrap(model)
         where = placements(model, {k: v.shape for k, v in state.items()})
         _check_experts(model, schemes)
         shared = _shared_global_amax(units, schemes, state, read)
@@ -480,15 +481,6 @@ class _Pass:
                 raise ExportError("tq.export: the writing rank (rank 0) failed writing the checkpoint; see its error")
         if failed:
             raise self.error
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside torch.compile / DDP wrappers (whose names, configs and HF class it has)."""
-    from tqcompile.calibration.modules import _wrapper_types
-
-    while isinstance(model, _wrapper_types()):
-        model = model._modules.get("_orig_mod") or model._modules["module"]
-    return model
 
 
 def _canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:

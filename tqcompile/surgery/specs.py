@@ -89,12 +89,18 @@ SpecReader = Callable[[str, nn.Module], Iterable[LayerSpec] | None]
 _READERS: list[SpecReader] = []
 
 
-def register_spec_reader(reader: SpecReader) -> SpecReader:
+def register_spec_reader(reader: SpecReader | None = None, *, first: bool = False):
     """Register `reader(canonical name, module)`, which returns the specs of the quantized layers
-    `module` itself holds, or None when it holds none of its kind. Readers are asked in order of
-    registration; the first that answers wins."""
-    _READERS.append(reader)
-    return reader
+    `module` itself holds, or None when it holds none of its kind. Readers are asked in order; the
+    first that answers wins. `first`: ask this one before those registered so far (fake quantizers
+    decide what a module computes, also on a `tq.nn.GroupedLinear` built directly and calibrated).
+    Usable as a decorator, with or without arguments."""
+
+    def add(fn: SpecReader) -> SpecReader:
+        _READERS.insert(0 if first else len(_READERS), fn)
+        return fn
+
+    return add if reader is None else add(reader)
 
 
 def layer_specs(model: nn.Module) -> list[LayerSpec]:
