@@ -26,7 +26,9 @@ def convert(
     fsdp_quantized_all_gather: bool | None = None,
 ) -> nn.Module:
     """Convert, in place, every layer of `model` that has a registered converter and passes
-    `filter_fn(module, fqn)`, and return `model`.
+    `filter_fn(module, fqn)`, and return `model`. `fqn` is the layer's canonical name: a wrapper's
+    components (DDP's ``module``, torch.compile's ``_orig_mod``, ...) are not part of it
+    (`tqcompile.surgery.names`).
 
     Layers whose shapes `recipe` cannot serve (or that override forward without declaring
     Linear semantics) are left alone and reported in one `ConversionWarning`, as are layers whose

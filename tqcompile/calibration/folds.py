@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tqcompile.surgery.names import canonical_modules
+
 __all__ = ["Fold", "FoldRecorder", "apply_fold", "prove_fold", "fold_tolerance", "same_outputs", "outputs"]
 
 
@@ -65,9 +67,9 @@ class FoldRecorder:
         self._alive: dict[int, list[tuple[torch.Tensor, nn.Module, str]]] = {}
         self._calls = 0
         self._handles = [root.register_forward_pre_hook(self._root)]
-        self._names = {id(m): n for n, m in model.named_modules()}
+        self._names = {id(m): n for n, m in canonical_modules(model)}
         watched: dict[int, nn.Module] = {}
-        for _, m in model.named_modules():
+        for _, m in canonical_modules(model):
             w = m._parameters.get("weight")
             if w is not None and w.dim() == 1:
                 self._handles.append(m.register_forward_hook(self._out_hook))

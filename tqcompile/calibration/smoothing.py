@@ -20,6 +20,7 @@ from tqcompile.calibration.folds import Fold, FoldRecorder, apply_fold, fold_tol
 from tqcompile.calibration.layer_stats import Context, LayerStats, input_module, per_expert, reads_module_input, weight_of
 from tqcompile.calibration.modules import ExpertGemmQuantizers
 from tqcompile.calibration.passes import CalibrationWarning
+from tqcompile.surgery.names import canonical_modules
 
 __all__ = ["smooth"]
 
@@ -187,7 +188,7 @@ def _linear_fold(ctx: Context, u, members, recorder, run, baseline, channels) ->
 
 def _take_first_ranks(ctx: Context, folds: list[Fold], members: list) -> list[Fold]:
     """The folds of each amax group's first rank, by name, on every rank of the group."""
-    by_name = {n: m for n, m in ctx.model.named_modules()}
+    by_name = dict(canonical_modules(ctx.model))  # as the units are named (ctx.names)
     unit_names = {id(u): ctx.names.get(id(u), "") for u in members}
     units = {n: u for u in members if (n := unit_names[id(u)])}
     module_names = {id(m): n for n, m in by_name.items()}

@@ -230,7 +230,8 @@ def _wrapper_hint(saved: set[str], current: set[str]) -> str:
             if {n.split(".", 1)[1] for n in longer if "." in n} == shorter:
                 return (
                     f". Every name differs only by the leading {p + '.'!r}: the {side} a wrapper tqcompile does not strip "
-                    "(it strips only DDP's and DataParallel's 'module.' and torch.compile's '_orig_mod.'); save and restore "
+                    "(it strips only the components DDP, DataParallel, torch.compile, activation checkpointing and FSDP1 add: "
+                    "'module.', '_orig_mod.', '_checkpoint_wrapped_module.', '_fsdp_wrapped_module.'); save and restore "
                     f"the inner model, e.g. tq.quant_state(wrapper.{p})"
                 )
     return ""

@@ -42,7 +42,8 @@ from tqcompile.nn.base import is_converted
 from tqcompile.surgery.names import canonical_renamer
 from tqcompile.surgery.specs import layer_specs
 
-__all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError", "FUSED_CHUNKS_KEY", "dcp_call"]
+# Also importable, for tq.export reading a checkpoint one tensor at a time: FUSED_CHUNKS_KEY, dcp_call.
+__all__ = ["save", "load", "quantization_metadata", "CheckpointMismatchError"]
 
 _KEY = "tqcompile_quantization"
 # The entry `save` adds: {state path: chunks} of the fused ColwiseParallel tensors it stacked (see above).

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tqcompile.distributed.fsdp import QuantizedWeight
 from tqcompile.nn.experts import QuantizedExperts, experts_layout
+from tqcompile.surgery.names import canonical_modules
 
 __all__ = ["ExpertParallelDispatch", "expert_parallel"]
 
@@ -101,7 +102,7 @@ def expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
         raise ValueError(f"expert_parallel: ep_mesh must be a 1-D DeviceMesh, got {ep_mesh!r}")
     world = ep_mesh.size()
     found = 0
-    for name, module in model.named_modules():
+    for name, module in canonical_modules(model):
         if experts_layout(module) is None:
             continue
         if not isinstance(module, QuantizedExperts):

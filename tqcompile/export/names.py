@@ -8,6 +8,9 @@ transformers itself (`revert_weight_conversion`) by handing it *probe* tensors w
 the row numbers of the real ones: what comes back names each output tensor and says which expert
 and which rows of ours it holds, so quantized payloads and their scales are split exactly as the
 float weight would be. Any other model keeps its `state_dict` names, experts stacked.
+
+Model tensors are named canonically (`tqcompile.surgery.names`): a wrapped model (DDP,
+torch.compile) is asked through the model inside, whose keys those are.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import dataclasses
 
 import torch
 from torch import nn
+
+from tqcompile.surgery.names import unwrap
 
 __all__ = ["Placement", "placements", "is_hf_model"]
 
@@ -32,11 +37,11 @@ class Placement:
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    """A transformers `PreTrainedModel` (imported only if transformers is)."""
+    """A transformers `PreTrainedModel`, wrapped or not (imported only if transformers is)."""
     import sys
 
     tf = sys.modules.get("transformers")
-    return tf is not None and isinstance(model, tf.PreTrainedModel)
+    return tf is not None and isinstance(unwrap(model), tf.PreTrainedModel)
 
 
 def _rows(shape: torch.Size) -> int:
@@ -57,7 +62,8 @@ def _probe(shape: torch.Size, base: int) -> torch.Tensor:
 
 
 def placements(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, list[Placement]]:
-    """{state_dict key: its output tensors} for the keys in `shapes` (see the module docstring)."""
+    """{canonical state_dict key: its output tensors} for the keys in `shapes` (see the module docstring)."""
+    model = unwrap(model)
     if not is_hf_model(model):
         return {k: [Placement(k)] for k in shapes}
     from transformers.core_model_loading import revert_weight_conversion

@@ -4,7 +4,7 @@ quantized all-gather of the converted weights.)
 
 Layers are named, planned and changed through the surgery layer (`tqcompile.surgery`, shared
 with `tq.calibrate`): canonical names (wrappers' components removed, the names `filter_fn` sees),
-a plan of `PlannedConversion` rows, then applied in place.
+a plan of per-layer `Decision`s (reported as `PlannedConversion` rows), then applied in place.
 
 A module is converted by the registered converter of the first class in its MRO that has one,
 so subclasses of `nn.Linear` match too. A subclass is converted by giving the module a new class
@@ -66,11 +66,19 @@ class ConversionWarning(UserWarning):
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannedConversion(Decision):
+class PlannedConversion:
     """What `tq.convert` does to one layer: `action` is "convert", "skip" (with `reason`) or "already converted".
 
-    A row of `conversion_plan`, `PlannedConversion(name, module_type, action, reason="")`; the
-    surgery layer's `Decision` (`tqcompile.surgery.plan`), converted with the recipe."""
+    The report of the surgery layer's `Decision` for that layer (which also holds the module)."""
+
+    name: str
+    module_type: str
+    action: str  # "convert", "skip" or "already converted"
+    reason: str = ""
+
+
+def _row(d: Decision) -> PlannedConversion:
+    return PlannedConversion(d.name, d.module_type, d.action, d.reason)
 
 
 # Pickles of converted models made before the surgery layer name this function: it makes the same class.
@@ -191,10 +199,14 @@ def conversion_plan(
     model: nn.Module, recipe: Recipe, *, filter_fn: Callable[[nn.Module, str], bool] | None = None
 ) -> list[PlannedConversion]:
     """What `convert(model, recipe, filter_fn=...)` would do to each convertible layer."""
+    return [_row(d) for d in _plan(model, recipe, filter_fn)]
+
+
+def _plan(model: nn.Module, recipe: Recipe, filter_fn: Callable[[nn.Module, str], bool] | None) -> list[Decision]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"tq.convert: model must be a torch.nn.Module, got {type(model).__name__}")
     modules = dict(canonical_modules(model))
-    plan: dict[str, PlannedConversion] = {}
+    plan: dict[str, Decision] = {}
     for name, module in modules.items():
         if is_converted(module):
             if module.recipe != recipe:
@@ -202,14 +214,14 @@ def conversion_plan(
                     f"tq.convert: layer {name!r} is already converted with recipe {module.recipe.name!r}; "
                     f"converting it again with {recipe.name!r} is not supported (convert a fresh model)"
                 )
-            plan[name] = PlannedConversion(name, type(module).__name__, "already converted", module=module)
+            plan[name] = Decision(name, type(module).__name__, "already converted", module=module)
             continue
         entry = _entry_for(module)
         if entry is None or (filter_fn is not None and not filter_fn(module, name)):
             continue
         reason = _lazy_reason(module) or (entry.unsupported_reason(module, recipe) if entry.unsupported_reason else None) or ""
         action = "skip" if reason else "convert"
-        plan[name] = PlannedConversion(name, type(module).__name__, action, reason, module=module, using=recipe)
+        plan[name] = Decision(name, type(module).__name__, action, reason, module=module, using=recipe)
 
     # A child whose weight an unconverted parent reads directly would be converted but never run:
     # skip it. Repeat, since a skipped child may itself be such a parent (self_attn and its out_proj).
@@ -234,7 +246,7 @@ def conversion_plan(
         if entry is not None and entry.adapter_only and name in plan and not any(plan.get(c) and plan[c].action != "skip" for c in read):
             del plan[name]  # nothing under it runs quantized: there is nothing to adapt
     for name, reason in _left_alone(modules, plan, filter_fn).items():
-        plan[name] = PlannedConversion(name, type(modules[name]).__name__, "skip", reason, module=modules[name])
+        plan[name] = Decision(name, type(modules[name]).__name__, "skip", reason, module=modules[name])
     return [plan[name] for name in modules if name in plan]
 
 
@@ -268,7 +280,7 @@ def _routers(modules: dict[str, nn.Module]) -> set[str]:
 
 
 def _left_alone(
-    modules: dict[str, nn.Module], plan: dict[str, PlannedConversion], filter_fn: Callable[[nn.Module, str], bool] | None
+    modules: dict[str, nn.Module], plan: dict[str, Decision], filter_fn: Callable[[nn.Module, str], bool] | None
 ) -> dict[str, str]:
     """{name: why} of the layers holding GEMM weights that tq.convert leaves in high precision by
     design or for want of a converter: MoE routers, convolutions, other modules with 3-D
@@ -297,7 +309,7 @@ def _left_alone(
     return out
 
 
-def _grouped_lines(skipped: list[PlannedConversion]) -> str:
+def _grouped_lines(skipped: list[Decision]) -> str:
     """One line per (type, reason), naming its layers (the first three, then how many more)."""
     by_reason: dict[tuple[str, str], list[str]] = {}
     for p in skipped:
@@ -309,7 +321,7 @@ def _grouped_lines(skipped: list[PlannedConversion]) -> str:
     return "\n".join(lines)
 
 
-def _convert(p: PlannedConversion) -> None:
+def _convert(p: Decision) -> None:
     _entry_for(p.module).convert(p.module, p.using)
     # The name filter_fn saw: errors the layer raises at run time (a token count its blocks
     # cannot split) name it and show the filter_fn that keeps it in high precision.
@@ -334,7 +346,7 @@ def convert_layers(
         raise TypeError(f"tq.convert: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(recipe, Recipe):
         raise TypeError(f"tq.convert: recipe must be a tq.Recipe (e.g. tq.recipes.mxfp8()), got {type(recipe).__name__}")
-    plan = conversion_plan(model, recipe, filter_fn=filter_fn)
+    plan = _plan(model, recipe, filter_fn)
     for p in plan:
         if p.action == "convert":
             check_not_sharded("tq.convert", "layer", p.name, p.module, _SHARDED_FIX)
@@ -350,4 +362,4 @@ def convert_layers(
         lines = _grouped_lines(skipped)
         # stacklevel 3: the caller of tq.convert.
         warnings.warn(f"tq.convert left {len(skipped)} layer(s) in high precision:\n{lines}", ConversionWarning, stacklevel=3)
-    return plan
+    return [_row(d) for d in plan]
