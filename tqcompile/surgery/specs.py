@@ -86,7 +86,7 @@ class LayerSpec:
 
 
 SpecReader = Callable[[str, nn.Module], Iterable[LayerSpec] | None]
-_READERS: list[SpecReader] = []
+_SPEC_READERS: list[SpecReader] = []
 
 
 def register_spec_reader(reader: SpecReader | None = None, *, first: bool = False):
@@ -97,7 +97,7 @@ def register_spec_reader(reader: SpecReader | None = None, *, first: bool = Fals
     Usable as a decorator, with or without arguments."""
 
     def add(fn: SpecReader) -> SpecReader:
-        _READERS.insert(0 if first else len(_READERS), fn)
+        _SPEC_READERS.insert(0 if first else len(_SPEC_READERS), fn)
         return fn
 
     return add if reader is None else add(reader)
@@ -112,7 +112,7 @@ def layer_specs(model: nn.Module) -> list[LayerSpec]:
     """
     specs: list[LayerSpec] = []
     for name, module in canonical_modules(model):
-        for reader in _READERS:
+        for reader in _SPEC_READERS:
             found = reader(name, module)
             if found is not None:
                 specs.extend(found)
