@@ -21,6 +21,8 @@ import torch
 
 __all__ = ["ElementCodec", "pack_group", "pack_codes", "unpack_codes"]
 
+_COUNT_WORDS = {2: "two", 3: "three", 4: "four", 8: "eight"}
+
 
 def pack_group(bits: int) -> tuple[int, int]:
     """(elements, bytes) of the smallest group of `bits`-wide codes that fills whole bytes."""
@@ -97,6 +99,14 @@ class ElementCodec:
     def pack_bytes(self) -> int:
         """Bytes one packed group takes (`pack_elements` elements)."""
         return pack_group(self.bits)[1] if self.torch_dtype is None else self.bits // 8
+
+    def packing_rule(self) -> str:
+        """The packing constraint on the last dim in words, e.g. "4-bit payloads pack two elements
+        a byte; the last dim must be even" (shape errors quote it)."""
+        n, nbytes = self.pack_elements, self.pack_bytes
+        where = "a byte" if nbytes == 1 else f"in {_COUNT_WORDS.get(nbytes, nbytes)} bytes"
+        need = "even" if n == 2 else f"a multiple of {n}"
+        return f"{self.bits}-bit payloads pack {_COUNT_WORDS.get(n, n)} elements {where}; the last dim must be {need}"
 
     def encode(self, v: torch.Tensor) -> torch.Tensor:
         """fp32 values (already scaled into the format) -> codes: round to nearest even, saturating."""

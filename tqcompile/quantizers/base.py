@@ -31,7 +31,7 @@ from tqcompile.quantizers import geometry
 from tqcompile.quantizers.geometry import Granularity
 from tqcompile.quantizers.scaling import FP32_MAX
 
-__all__ = ["Quantizer", "register_family", "quantizer_families", "packing_rule", "PUBLIC_MODULE"]
+__all__ = ["Quantizer", "register_family", "quantizer_families", "PUBLIC_MODULE"]
 
 # Pickles, `torch.load(weights_only=True)` allow-lists and exported graphs name a quantizer class
 # by module and name: the families keep the module they had before quantizers became a package,
@@ -53,18 +53,6 @@ def register_family(cls: type) -> type:
 def quantizer_families() -> tuple[type, ...]:
     """The registered quantizer classes, in registration order."""
     return tuple(_FAMILIES)
-
-
-_COUNT_WORDS = {2: "two", 3: "three", 4: "four", 8: "eight"}
-
-
-def packing_rule(fmt: Format) -> str:
-    """The packing constraint of a sub-byte format in words, e.g. "4-bit payloads pack two
-    elements a byte; the last dim must be even"."""
-    n, nbytes = fmt.pack_elements, fmt.pack_bytes
-    where = "a byte" if nbytes == 1 else f"in {_COUNT_WORDS.get(nbytes, nbytes)} bytes"
-    need = "even" if n == 2 else f"a multiple of {n}"
-    return f"{fmt.bits}-bit payloads pack {_COUNT_WORDS.get(n, n)} elements {where}; the last dim must be {need}"
 
 
 def _bad(cls_name: str, field: str, value: object, allowed: str) -> ValueError:
@@ -192,7 +180,7 @@ class Quantizer(OpaqueBase):
                     )
         group = self.element_format().pack_elements
         if group > 1 and (len(shape) == 0 or shape[-1] % group):
-            return f"{name}: {packing_rule(self.element_format())}, got shape {shape}"
+            return f"{name}: {self.element_format().codec.packing_rule()}, got shape {shape}"
         if self.hadamard_transformed() and shape[-1] % 16:
             return f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}"
         return None
