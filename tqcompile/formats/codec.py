@@ -15,6 +15,7 @@ INT4 payloads); 6 bits four elements in three bytes (OCP MXFP6).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -24,10 +25,15 @@ __all__ = ["ElementCodec", "pack_group", "pack_codes", "unpack_codes"]
 _COUNT_WORDS = {2: "two", 3: "three", 4: "four", 8: "eight"}
 
 
+@functools.cache
 def pack_group(bits: int) -> tuple[int, int]:
     """(elements, bytes) of the smallest group of `bits`-wide codes that fills whole bytes."""
     elements = 8 // math.gcd(bits, 8)
     return elements, elements * bits // 8
+
+
+def _widened(codes: torch.Tensor, nbytes: int) -> torch.Tensor:
+    return codes if nbytes == 1 else codes.to(torch.int32)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -36,11 +42,11 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     elements, nbytes = pack_group(bits)
     if elements == 1:
         return codes
-    # A group that fits one byte is assembled in uint8: for 4 bits exactly ``c[0::2] | c[1::2] << 4``.
-    wide = torch.uint8 if nbytes == 1 else torch.int32
-    word = codes[..., 0::elements].to(wide)
+    # A group that fits one byte is assembled in uint8 (for 4 bits exactly ``c[0::2] | c[1::2] << 4``),
+    # a wider one in an int32 word that is then cut into bytes.
+    word = _widened(codes[..., 0::elements], nbytes)
     for i in range(1, elements):
-        word = word | (codes[..., i::elements].to(wide) << (bits * i))
+        word = word | (_widened(codes[..., i::elements], nbytes) << (bits * i))
     if nbytes == 1:
         return word
     return torch.stack([(word >> (8 * j)) & 0xFF for j in range(nbytes)], dim=-1).flatten(-2).to(torch.uint8)
