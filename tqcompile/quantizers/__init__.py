@@ -13,11 +13,16 @@ Import quantizers from here (or from `tqcompile`).
 # (`format: Format`) resolve here for `typing.get_type_hints`.
 from tqcompile.formats import Format  # noqa: F401
 from tqcompile.quantizers.base import Quantizer
-from tqcompile.quantizers.fp8 import Float8Quantizer
 from tqcompile.quantizers.geometry import Granularity
-from tqcompile.quantizers.integer import IntQuantizer
+
+# isort: off
+# Importing a family registers it; this order (FP8, MX, NVFP4, INT) is the one config errors and
+# the `torch.load` allow-list list them in, as before the families had modules of their own.
+from tqcompile.quantizers.fp8 import Float8Quantizer
 from tqcompile.quantizers.mx import MXQuantizer, ScaleRounding
 from tqcompile.quantizers.nvfp4 import NVFP4Quantizer
+from tqcompile.quantizers.integer import IntQuantizer
+# isort: on
 
 __all__ = [
     "Granularity",
