@@ -15,7 +15,6 @@ INT4 payloads); 6 bits four elements in three bytes (OCP MXFP6).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -25,7 +24,6 @@ __all__ = ["ElementCodec", "pack_group", "pack_codes", "unpack_codes"]
 _COUNT_WORDS = {2: "two", 3: "three", 4: "four", 8: "eight"}
 
 
-@functools.cache
 def pack_group(bits: int) -> tuple[int, int]:
     """(elements, bytes) of the smallest group of `bits`-wide codes that fills whole bytes."""
     elements = 8 // math.gcd(bits, 8)
