@@ -25,6 +25,7 @@ from tqcompile.quantizers import (
     Quantizer,
     ScaleRounding,
 )
+from tqcompile.quantizers.base import quantizer_families as _quantizer_families
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import QuantizedTensor
 from tqcompile.torch_export import lift_quantizers
@@ -63,7 +64,6 @@ __all__ = [
     "lift_quantizers",
 ]
 
-# Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors and quantizers.
-_torch.serialization.add_safe_globals(
-    [QuantizedTensor, Recipe, Format, Granularity, ScaleRounding, Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer]
-)
+# Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors, recipes and quantizers (every
+# registered family, and the enums their fields hold).
+_torch.serialization.add_safe_globals([QuantizedTensor, Recipe, Format, Granularity, ScaleRounding, *_quantizer_families()])

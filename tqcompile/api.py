@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tqcompile import ops
 from tqcompile.groups import group_name_of
-from tqcompile.quantizers import MXQuantizer, Quantizer
+from tqcompile.quantizers import Quantizer
 from tqcompile.tensor import QuantizedTensor, quantize_usages
 
 __all__ = ["quantize", "SUPPORTED_DTYPES"]
@@ -121,7 +121,7 @@ def _check_static_amax(x: torch.Tensor, q: Quantizer, amax: torch.Tensor, column
         raise TypeError(f"tq.quantize: amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
     if amax_history is not None:
         raise ValueError("tq.quantize: pass either a static amax or an amax_history (delayed scaling), not both")
-    if isinstance(q, MXQuantizer):
+    if not q.takes_static_amax():
         raise ValueError(
             f"tq.quantize: {q!r} computes each 32-element block's scale from the block itself; it takes no static amax"
         )

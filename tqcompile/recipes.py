@@ -17,6 +17,7 @@ so `dataclasses.replace(tq.recipes.mxfp8(), wgrad_grad=None, wgrad_input=None)` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 # A Recipe is a value opaque type for the same reason a quantizer is (see tqcompile.quantizers).
 from tqcompile._opaque import OpaqueBase, register_value_type
@@ -24,7 +25,6 @@ from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,
     Granularity,
-    IntQuantizer,
     MXQuantizer,
     NVFP4Quantizer,
     Quantizer,
@@ -48,6 +48,18 @@ _OPERANDS = ("fprop_input", "fprop_weight", "dgrad_grad", "dgrad_weight", "wgrad
 _GEMM_PAIRS = (("fprop_input", "fprop_weight"), ("dgrad_grad", "dgrad_weight"), ("wgrad_grad", "wgrad_input"))
 # A token count that is a multiple of every block size, to check what convert() can know ahead.
 _PROBE_ROWS = 128
+
+
+@functools.singledispatch
+def delayed_scaling_applies(q: Quantizer) -> bool:
+    """Whether delayed scaling (an amax history per operand) can drive `q`: registered per family;
+    tensorwise FP8 only."""
+    return False
+
+
+@delayed_scaling_applies.register(Float8Quantizer)
+def _(q: Float8Quantizer) -> bool:
+    return q.granularity is Granularity.TENSORWISE
 
 
 @dataclasses.dataclass(frozen=True, slots=True, repr=False)
@@ -90,7 +102,7 @@ class Recipe(OpaqueBase):
         if self.amax_history_len:
             for field in _OPERANDS:
                 q = getattr(self, field)
-                if q is not None and not (isinstance(q, Float8Quantizer) and q.granularity is Granularity.TENSORWISE):
+                if q is not None and not delayed_scaling_applies(q):
                     raise ValueError(
                         f"Recipe {self.name!r}: delayed scaling (amax_history_len={self.amax_history_len}) needs tensorwise "
                         f"Float8Quantizers; {field}={q!r}"
@@ -130,8 +142,10 @@ class Recipe(OpaqueBase):
 
     def __fx_repr__(self) -> tuple[str, dict[str, type]]:
         names: dict[str, type] = {"Recipe": Recipe}
-        for cls in (Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer, Format, Granularity, ScaleRounding):
-            names[cls.__name__] = cls
+        for field in _OPERANDS:
+            q = getattr(self, field)
+            if q is not None:
+                names.update(q.__fx_repr__()[1])
         return repr(self), names
 
 

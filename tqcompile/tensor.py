@@ -258,11 +258,11 @@ def _view(func, args, kwargs):
 def _slice_payload(data, scale, q, dim, start, end, length):
     """Slice elements [start, end) of a payload along `dim` (logical length `length`), keeping the
     scales that go with them; error where the slice would cut a shared scale."""
-    packed = q.element_format().elements_per_byte
-    per_byte = packed if dim == data.dim() - 1 else 1
-    if start % per_byte or end % per_byte:
-        raise NotImplementedError(f"slice [{start}:{end}] splits a byte of packed 4-bit elements")
-    data = data.narrow(dim, start // per_byte, (end - start) // per_byte)
+    fmt = q.element_format()
+    group, nbytes = (fmt.pack_elements, fmt.pack_bytes) if dim == data.dim() - 1 else (1, 1)
+    if start % group or end % group:
+        raise NotImplementedError(f"slice [{start}:{end}] splits a byte of packed {fmt.bits}-bit elements")
+    data = data.narrow(dim, start // group * nbytes, (end - start) // group * nbytes)
     if scale.dim():
         n = scale.shape[dim]
         if n != length:

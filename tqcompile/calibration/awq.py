@@ -43,7 +43,7 @@ import torch
 
 from tqcompile.calibration.algorithms import AWQ
 from tqcompile.calibration.fake_quant import round_to_nearest
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer, geometry
 
 __all__: list[str] = []  # used by tq.calibrate once it offers algorithm="awq"; nothing public yet
 
@@ -66,13 +66,11 @@ class AWQSearch:
 
 
 def _check_quantizer(q: Quantizer, who: str) -> None:
+    # The search rounds with `round_to_nearest` and walks the units with `geometry.unit_view`, so
+    # any family works whose units lie along the input dim, whose payload is a plain rounding of
+    # the weight (no transform) and whose rounding is deterministic.
     gran, axis, _ = q.layout()
-    if isinstance(q, IntQuantizer | Float8Quantizer):
-        ok = gran is not Granularity.ROWWISE or axis in (-1, 1)
-    elif isinstance(q, NVFP4Quantizer):
-        ok = not q.hadamard and not q.stochastic_rounding
-    else:
-        ok = isinstance(q, MXQuantizer)
+    ok = (gran is not Granularity.ROWWISE or axis in (-1, 1)) and not q.hadamard_transformed() and not q.needs_seed()
     if not ok:
         raise ValueError(
             f"{who}: weight quantizer {q!r} is not supported; allowed: IntQuantizer or Float8Quantizer (TENSORWISE, "
@@ -99,20 +97,6 @@ def _check_hessian(h: torch.Tensor, in_features: int, who: str) -> None:
         raise ValueError(f"{who}: h holds NaN or Inf values; allowed: a finite Hessian (check the calibration inputs)")
 
 
-def _unit_view(w: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """`w` (out, in) as (R, rows, G, cols): scale unit (r, g) holds the elements ``[r, :, g, :]``.
-    NVFP4's units are its blocks (its tensor-level amax is not a unit: it is kept, see `awq_clip`)."""
-    out_f, in_f = w.shape
-    gran, _, block = q.layout()
-    if gran is Granularity.TENSORWISE:
-        return w.reshape(1, out_f, 1, in_f)
-    if gran is Granularity.ROWWISE:
-        return w.reshape(out_f, 1, 1, in_f)
-    if gran is Granularity.BLOCKWISE_1D:
-        return w.reshape(out_f, 1, in_f // block, block)
-    return w.reshape(out_f // block, block, in_f // block, block)
-
-
 def _output_error(d: torch.Tensor, h32: torch.Tensor) -> float:
     """``tr(D H D^T)``: fp32 products (the candidates' order is what matters), summed in fp64."""
     return float(((d @ h32) * d).sum(dtype=torch.float64))
@@ -129,7 +113,7 @@ def _weight_mean(weights: Sequence[torch.Tensor], quantizers: Sequence[Quantizer
     for w, q in zip(weights, quantizers):
         if q is None:
             continue
-        v = _unit_view(w.abs(), q)
+        v = geometry.unit_view(w.abs(), q.layout())
         a = v.amax(dim=(1, 3), keepdim=True)
         total += (v / torch.where(a > 0, a, torch.ones_like(a))).reshape(w.shape).sum(0, dtype=torch.float64)
         rows += w.shape[0]
@@ -246,12 +230,12 @@ def awq_clip(weight: torch.Tensor, quantizer: Quantizer | None, h: torch.Tensor,
         return weight.detach().clone()
     with torch.no_grad():
         w = weight.detach().float()
-        view = _unit_view(w, quantizer)
+        view = geometry.unit_view(w, quantizer.layout())  # NVFP4's units are its blocks: its tensor amax is kept (below)
         amax = view.abs().amax(dim=(1, 3), keepdim=True)
         g, cols = view.shape[2], view.shape[3]
         h32 = h.to(w.device, torch.float32)
         h_blocks = h32.reshape(g, cols, g, cols).diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
-        keep = amax == amax.max() if isinstance(quantizer, NVFP4Quantizer) else torch.zeros_like(amax, dtype=torch.bool)
+        keep = amax == amax.max() if quantizer.has_global_scale() else torch.zeros_like(amax, dtype=torch.bool)
         best_bound, best_err = amax, None
         for i in range(config.clip_grid + 1):
             # The bound in the weight's dtype, so the clamped weight is exactly representable in it.

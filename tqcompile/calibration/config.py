@@ -37,15 +37,13 @@ from typing import Any
 
 from torch import nn
 
-from tqcompile.formats import Format
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
+from tqcompile.quantizers import Quantizer
+from tqcompile.quantizers.base import quantizer_families
 
 __all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "register_module_type", "module_type_name"]
 
 SLOTS = ("input", "weight", "output")
 STE_MODES = ("clipped", "plain")
-_QUANTIZER_CLASSES = {c.__name__: c for c in (Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer)}
-_ENUMS = {"format": Format, "granularity": Granularity, "scale_rounding": ScaleRounding}
 
 # Classes that stand for one another in a rule: convert_sync_batchnorm turns any of them into a
 # SyncBatchNorm (and a single-process rebuild turns it back), so a rule must not depend on which.
@@ -276,10 +274,13 @@ def quantizer_to_dict(q: Quantizer) -> dict[str, Any]:
 def quantizer_from_dict(d: dict[str, Any], where: str = "quantizer") -> Quantizer:
     if not isinstance(d, dict) or "type" not in d:
         raise ConfigError(f"{where}: expected a dict with a 'type' key, got {d!r}")
-    cls = _QUANTIZER_CLASSES.get(d["type"])
+    classes = {c.__name__: c for c in quantizer_families()}
+    cls = classes.get(d["type"])
     if cls is None:
-        raise ConfigError(f"{where}: type={d['type']!r} is not allowed; allowed: {', '.join(_QUANTIZER_CLASSES)}")
+        raise ConfigError(f"{where}: type={d['type']!r} is not allowed; allowed: {', '.join(classes)}")
     fields = {f.name for f in dataclasses.fields(cls)}
+    # An enum field is written by member name; its default says which enum (Format, Granularity, ...).
+    enums = {f.name: type(f.default) for f in dataclasses.fields(cls) if isinstance(f.default, enum.Enum)}
     unknown = set(d) - fields - {"type"}
     if unknown:
         raise ConfigError(f"{where}: unknown {cls.__name__} fields {sorted(unknown)}; allowed: {', '.join(sorted(fields))}")
@@ -287,8 +288,8 @@ def quantizer_from_dict(d: dict[str, Any], where: str = "quantizer") -> Quantize
     for k, v in d.items():
         if k == "type":
             continue
-        if k in _ENUMS:
-            enum_cls = _ENUMS[k]
+        if k in enums:
+            enum_cls = enums[k]
             if v not in enum_cls.__members__:
                 raise ConfigError(f"{where}: {k}={v!r} is not allowed; allowed: {', '.join(enum_cls.__members__)}")
             v = enum_cls[v]

@@ -34,14 +34,14 @@ from torch import nn
 
 from tqcompile.api import quantize
 from tqcompile.ops import grouped_gemm as gops
-from tqcompile.quantizers import Granularity, MXQuantizer, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer, geometry
 
 __all__ = ["fake_quantize", "fake_quantize_grouped", "TensorQuantizer", "static_amax_kind", "static_weight_amax", "round_to_nearest"]
 
 
 def static_amax_kind(q: Quantizer | None, role: str) -> str | None:
     """ "tensor" (one static amax per tensor), "unit" (one per scaling unit: weights only) or None (dynamic)."""
-    if q is None or isinstance(q, MXQuantizer):
+    if q is None or not q.takes_static_amax():
         return None
     if q.uses_tensor_amax():
         return "tensor"
@@ -68,12 +68,7 @@ def round_to_nearest(w: torch.Tensor, q: Quantizer, *, amax: torch.Tensor | None
 
 def _expand_amax(amax: torch.Tensor, shape: torch.Size, q: Quantizer) -> torch.Tensor:
     """Broadcast a static amax (tensor-level or one per unit) to the element shape."""
-    gran, _, block = q.layout()
-    if amax.dim() == 0 or gran in (Granularity.TENSORWISE, Granularity.ROWWISE) or q.uses_tensor_amax():
-        return amax
-    if gran is Granularity.BLOCKWISE_1D:
-        return amax.repeat_interleave(block, dim=-1)
-    return amax.repeat_interleave(block, dim=-1).repeat_interleave(block, dim=-2)
+    return amax if q.uses_tensor_amax() else geometry.expand(amax, shape, q.layout())
 
 
 class _FakeQuantize(torch.autograd.Function):

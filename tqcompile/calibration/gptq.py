@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -55,7 +56,7 @@ from tqcompile.calibration.algorithms import GPTQ
 from tqcompile.calibration.fake_quant import fake_quantize, static_weight_amax
 from tqcompile.formats import Format
 from tqcompile.kernels import reference
-from tqcompile.kernels.reference import e2m1_decode, e2m1_encode, nvfp4_tensor_scale, unit_amax
+from tqcompile.kernels.reference import nvfp4_tensor_scale, unit_amax
 from tqcompile.ops import amax as tensor_amax
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 
@@ -73,32 +74,55 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
     return 2.0 * x.T @ x / max(1, x.shape[0])
 
 
-def _check(q: Quantizer) -> Granularity:
+@functools.singledispatch
+def _check(q: Quantizer) -> None:
+    """Raise where GPTQ cannot round weights of `q`: registered per family; a family that does not
+    say is not supported."""
+    raise ValueError(f"GPTQ: weight quantizer {q!r} is not supported; allowed: {_ALLOWED}")
+
+
+def _check_rows(q: Quantizer, ok: bool = True) -> None:
+    # Int and FP8 are rounded column by column with a ROWWISE copy of the quantizer: their units
+    # must lie along the input dim.
     gran, axis, _ = q.layout()
-    if isinstance(q, NVFP4Quantizer):
-        # 16x16 tiles span rows GPTQ rounds independently; a Hadamard weight is rounded in the rotated
-        # basis, where this Hessian does not apply; stochastic rounding would not reproduce Q.
-        bad = [f"{f}=True" for f in ("block_2d", "hadamard", "stochastic_rounding") if getattr(q, f)]
-        if bad:
-            raise ValueError(f"GPTQ: weight quantizer {q!r} is not supported ({', '.join(bad)}); allowed: {_ALLOWED}")
-        return gran
-    if isinstance(q, MXQuantizer):
-        return gran
-    ok = isinstance(q, IntQuantizer) or (isinstance(q, Float8Quantizer) and q.format is Format.E4M3)
     if not ok or gran is Granularity.BLOCKWISE_2D or (gran is Granularity.ROWWISE and axis not in (-1, 1)):
         raise ValueError(f"GPTQ: weight quantizer {q!r} is not supported; allowed: {_ALLOWED}")
-    return gran
+
+
+@_check.register(IntQuantizer)
+def _(q: IntQuantizer) -> None:
+    _check_rows(q)
+
+
+@_check.register(Float8Quantizer)
+def _(q: Float8Quantizer) -> None:
+    _check_rows(q, ok=q.format is Format.E4M3)
+
+
+@_check.register(MXQuantizer)
+def _(q: Quantizer) -> None:
+    return None
+
+
+@_check.register(NVFP4Quantizer)
+def _(q: NVFP4Quantizer) -> None:
+    # 16x16 tiles span rows GPTQ rounds independently; a Hadamard weight is rounded in the rotated
+    # basis, where this Hessian does not apply; stochastic rounding would not reproduce Q.
+    bad = [f"{f}=True" for f in ("block_2d", "hadamard", "stochastic_rounding") if getattr(q, f)]
+    if bad:
+        raise ValueError(f"GPTQ: weight quantizer {q!r} is not supported ({', '.join(bad)}); allowed: {_ALLOWED}")
 
 
 class _BlockScaled:
-    """GPTQ's column rounding for MX / NVFP4: each block's scale held fixed while its columns are
-    rounded, in the element arithmetic of `reference.quantize` / `reference.dequantize`."""
+    """GPTQ's column rounding for block-scaled families (MX, NVFP4): each block's scale held fixed
+    while its columns are rounded, in the element arithmetic of `reference.quantize` /
+    `reference.dequantize`. Subclasses round one column (`_round`)."""
 
-    def __init__(self, q: MXQuantizer | NVFP4Quantizer, w: torch.Tensor, perm: torch.Tensor, act_order: bool, amax):
+    def __init__(self, q: Quantizer, w: torch.Tensor, perm: torch.Tensor, act_order: bool, amax):
         self.q, self.block, self.act_order = q, q.layout()[2], act_order
         self.amax = amax  # NVFP4: the starting weight's tensor amax (or a fused group's), so s_enc stays; MX: None
-        self.s_enc = nvfp4_tensor_scale(self.amax, q) if isinstance(q, NVFP4Quantizer) else None
-        self.top = q.element_format().max_value
+        self.codec = q.element_format().codec
+        self.top = self.codec.max_value
         # act_order visits columns out of order: static groups, every block's scale from the starting weight.
         blocks = w.split(self.block, dim=1)
         self.scales = torch.cat([self._scale(c) for c in blocks], 1) if act_order else w.new_zeros(w.shape[0], len(blocks))
@@ -117,14 +141,29 @@ class _BlockScaled:
         if not self.act_order and j % self.block == 0:
             # The block's scale from its columns as the earlier errors left them (they are in order).
             self.scales[:, b] = self._scale(w1[:, i : i + self.block]).reshape(-1)
-        col, scale = w1[:, i : i + 1], self.scales[:, b : b + 1]
-        if self.s_enc is None:
-            v = col / scale
-            if self.q.format is Format.E2M1:
-                return e2m1_decode(e2m1_encode(v)) * scale
-            return v.clamp(-self.top, self.top).to(self.q.format.torch_dtype).float() * scale
+        return self._round(w, w1, i1, i, b, w1[:, i : i + 1], self.scales[:, b : b + 1])
+
+    def _round(self, w, w1, i1: int, i: int, b: int, col: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _MXColumns(_BlockScaled):
+    """MX: ``x / 2**e`` rounded by the element codec, times ``2**e``."""
+
+    def _round(self, w, w1, i1, i, b, col, scale):
+        return self.codec.round(col / scale) * scale
+
+
+class _NVFP4Columns(_BlockScaled):
+    """NVFP4: ``e2m1(x * s_enc / s_blk) * (s_blk / s_enc)``, with a ±6 pinned in every block (module docstring)."""
+
+    def __init__(self, q: NVFP4Quantizer, w, perm, act_order, amax):
+        super().__init__(q, w, perm, act_order, amax)
+        self.s_enc = nvfp4_tensor_scale(self.amax, q)
+
+    def _round(self, w, w1, i1, i, b, col, scale):
         v = torch.where(scale == 0, torch.zeros_like(col), col * self.s_enc / scale)
-        codes = e2m1_decode(e2m1_encode(v))
+        codes = self.codec.round(v)
         # A row without a ±6 yet takes one at the largest of the block's columns still to come (their
         # current values: in this lazy batch, or in `w`, which lacks only this batch's pending update).
         rest = self.visits[b][self.visits[b] > i1 + i]
@@ -135,6 +174,17 @@ class _BlockScaled:
         codes = torch.where(pin, torch.copysign(torch.full_like(v, self.top), v), codes)
         self.topped[:, b : b + 1] |= codes.abs() == self.top
         return codes * (scale / self.s_enc)
+
+
+@functools.singledispatch
+def _block_columns(q: Quantizer, w, perm, act_order: bool, amax) -> _BlockScaled | None:
+    """GPTQ's column rounding of a block-scaled family, registered per family; None: the family
+    rounds a column with a ROWWISE copy of its quantizer under the column's unit amax (Int, FP8)."""
+    return None
+
+
+_block_columns.register(MXQuantizer, _MXColumns)
+_block_columns.register(NVFP4Quantizer, _NVFP4Columns)
 
 
 @contextlib.contextmanager
@@ -195,14 +245,15 @@ def gptq_quantize(
     `tensor_amax`: for NVFP4, the tensor-level amax to hold (at least the weight's own): the max
     over the weights an engine fuses into one GEMM (q/k/v), which share one global scale.
     """
-    if tensor_amax is not None and not isinstance(quantizer, NVFP4Quantizer):
+    if tensor_amax is not None and not quantizer.has_global_scale():
         raise ValueError(f"gptq_quantize: tensor_amax is for NVFP4 weights; {quantizer!r} has none to hold")
     r = _gptq(weight, h, quantizer, config or GPTQ(), name, tensor_amax)
     return r.q, r.amax, r.how
 
 
 def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ, name: str, held_amax=None) -> _Result:
-    gran = _check(quantizer)
+    _check(quantizer)
+    gran = quantizer.layout()[0]
     quantizer.check_shape(weight.shape)
     w = weight.detach().float().clone()
     out_f, in_f = w.shape
@@ -222,11 +273,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     w[:, dead] = 0.0
     perm = torch.argsort(h.diagonal(), descending=True) if config.act_order else torch.arange(in_f, device=w.device)
     start_amax = held_amax if held_amax is not None else static_weight_amax(w, quantizer)
-    blocked = (
-        _BlockScaled(quantizer, w, perm, config.act_order, start_amax)
-        if isinstance(quantizer, (MXQuantizer, NVFP4Quantizer))
-        else None
-    )
+    blocked = _block_columns(quantizer, w, perm, config.act_order, start_amax)
     rows = None if blocked is not None else dataclasses.replace(quantizer, granularity=Granularity.ROWWISE, axis=-1)
     block = quantizer.layout()[2]
     if blocked is not None:

@@ -65,7 +65,7 @@ from tqcompile.calibration.passes import CalibrationWarning
 from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
 from tqcompile.calibration.transforms import run_transforms
-from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Quantizer, geometry
 from tqcompile.surgery.checks import check_not_meta, check_not_sharded
 from tqcompile.surgery.names import canonical_modules, unwrap
 from tqcompile.surgery.plan import Decision, Undo, apply
@@ -340,7 +340,7 @@ def _quantizers(planned: list[Decision]) -> list[TensorQuantizer]:
 
 def _uses_histogram(t: TensorQuantizer) -> bool:
     return (
-        t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not isinstance(t.quantizer, NVFP4Quantizer)
+        t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not t.quantizer.has_global_scale()
     )
 
 
@@ -454,24 +454,13 @@ def _weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch
         return _mse_weight(w, q, amax) if algorithm == "mse" else amax
 
 
-def _unit_sum(err: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
-    """Sum a per-element error over each scaling unit (the shape of `amax`)."""
-    if amax.dim() == 0:
-        return err.sum()
-    gran, axis, block = q.layout()
-    if gran is Granularity.ROWWISE:
-        return err.sum(axis, keepdim=True)
-    if gran is Granularity.BLOCKWISE_1D:
-        return err.unflatten(-1, (-1, block)).sum(-1)
-    return err.unflatten(-1, (-1, block)).unflatten(-3, (-1, block)).sum((-3, -1))
-
-
 def _mse_weight(w: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
     """Per-unit amax ``r * amax`` with r in [0.5, 1] minimising that unit's squared error."""
     best_amax, best_err = amax, None
     for i in range(_WEIGHT_MSE_RATIOS + 1):
         cand = amax * (0.5 + 0.5 * i / _WEIGHT_MSE_RATIOS) if i < _WEIGHT_MSE_RATIOS else amax
-        err = _unit_sum((quantize(w, q, amax=cand).dequantize(torch.float32) - w.float()) ** 2, q, amax)
+        sq_err = (quantize(w, q, amax=cand).dequantize(torch.float32) - w.float()) ** 2
+        err = geometry.unit_sum(sq_err, q.layout() if amax.dim() else geometry.TENSOR)  # per unit of `amax`
         if best_err is None:
             best_amax, best_err = cand, err
         else:

@@ -17,6 +17,7 @@ is enabled; the default configs disable every norm quantizer).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,7 @@ from tqcompile.calibration.modules import (
     unsupported_reason,
 )
 from tqcompile.calibration.pipeline import CalibrationRecord, CalibrationWarning, set_record
-from tqcompile.quantizers import Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.surgery.checks import check_not_sharded
 from tqcompile.surgery.names import canonical_modules
 from tqcompile.surgery.plan import Decision, apply
@@ -281,12 +282,10 @@ def _check_amax(name: str, module: nn.Module, slot: str, q: Quantizer | None, am
 # --------------------------------------------------------------------------------------------
 # Summary
 # --------------------------------------------------------------------------------------------
+@functools.singledispatch
 def describe_quantizer(q: Quantizer) -> str:
-    """A short name, e.g. 'INT8 per-channel', 'E4M3 tensor', 'MXFP8 E4M3', 'NVFP4'."""
-    if isinstance(q, MXQuantizer):
-        return f"MX {q.format.name}"
-    if isinstance(q, NVFP4Quantizer):
-        return "NVFP4" + (" 2d" if q.block_2d else "") + (" rht" if q.hadamard else "")
+    """A short name, e.g. 'INT8 per-channel', 'E4M3 tensor', 'MX E4M3', 'NVFP4' (`tq.summary`):
+    the element format and the layout, unless the family registers its own."""
     gran, _, block = q.layout()
     how = {
         Granularity.TENSORWISE: "tensor",
@@ -294,7 +293,17 @@ def describe_quantizer(q: Quantizer) -> str:
         Granularity.BLOCKWISE_1D: f"block{block}",
         Granularity.BLOCKWISE_2D: f"block{block}x{block}",
     }[gran]
-    return f"{q.format.name if isinstance(q, IntQuantizer) else q.format.name} {how}"
+    return f"{q.element_format().name} {how}"
+
+
+@describe_quantizer.register(MXQuantizer)
+def _(q: MXQuantizer) -> str:
+    return f"MX {q.format.name}"
+
+
+@describe_quantizer.register(NVFP4Quantizer)
+def _(q: NVFP4Quantizer) -> str:
+    return "NVFP4" + (" 2d" if q.block_2d else "") + (" rht" if q.hadamard else "")
 
 
 def _describe(op: OperandSpec | None) -> str:

@@ -45,6 +45,7 @@ version (and rolls delayed scaling's history); `fsdp_tp` reduces them over a TP 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 
@@ -109,13 +110,27 @@ _PRESERVE = {
 }
 
 
+@functools.singledispatch
+def gathers_quantized(q: Quantizer) -> bool:
+    """Whether FSDP2 may all-gather weights of `q`'s family quantized (each shard's payload and
+    scales, `fsdp_layout`): registered per family (FP8, MX, NVFP4); False for the others (INT)."""
+    return False
+
+
+@gathers_quantized.register(Float8Quantizer)
+@gathers_quantized.register(MXQuantizer)
+@gathers_quantized.register(NVFP4Quantizer)
+def _(q: Quantizer) -> bool:
+    return True
+
+
 def quantized_all_gather_reason(recipe: Recipe) -> str | None:
     """Why FSDP2 cannot all-gather weights of `recipe` quantized (they are then gathered in high
     precision), or None if it can."""
     q = recipe.fprop_weight
     if recipe.dgrad_weight != q:
         return "fprop and dgrad use different weight quantizers; one gathered weight serves both only when they are equal"
-    if not isinstance(q, (Float8Quantizer, MXQuantizer, NVFP4Quantizer)):
+    if not gathers_quantized(q):
         return f"{type(q).__name__} weights are not gathered quantized (FP8, MX and NVFP4 are)"
     gran, axis, _ = q.layout()
     if gran is Granularity.ROWWISE and axis % 2 != 1:

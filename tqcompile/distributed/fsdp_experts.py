@@ -25,7 +25,7 @@ import torch
 
 from tqcompile.nn.grouped import quantize_expert_weight
 from tqcompile.ops.grouped_gemm import grouped_scale_shape
-from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Quantizer
 
 __all__: list[str] = []  # used by tqcompile.distributed's FSDP2 code; nothing public
 
@@ -68,14 +68,15 @@ class ExpertsPlan:
             shape = (experts * rows, cols)
             out.append((names[0], q.payload_shape(shape), q.element_format().storage_dtype))
             out.append((names[1], grouped_scale_shape(q, shape, experts, False), q.scale_dtype()))
-            if isinstance(q, NVFP4Quantizer):  # the grouped GEMM dequantizes NVFP4 with the per-expert amax
+            if q.has_global_scale():  # the grouped GEMM dequantizes NVFP4 with the per-expert amax
                 out.append((names[2], (experts,), torch.float32))
         return out
 
 
 def derives_dgrad(q: Quantizer) -> bool:
-    """dgrad's operand is fprop's, transposed per expert, under the same per-expert scale."""
-    return q.layout()[0] is Granularity.TENSORWISE and q.element_format().bits == 8
+    """dgrad's operand is fprop's, transposed per expert, under the same per-expert scale
+    (`Quantizer.columnwise_is_byte_transpose`: one scale, one byte per element)."""
+    return q.columnwise_is_byte_transpose()
 
 
 def nbytes(parts) -> int:
@@ -89,7 +90,7 @@ def pack(shard: torch.Tensor, plan: ExpertsPlan) -> torch.Tensor:
     for dgrad, wanted in ((False, plan.fprop), (True, plan.dgrad)):
         if wanted:
             data, scale_inv, amax = quantize_expert_weight(gemm, plan.quantizer, dgrad=dgrad)
-            parts = (data, scale_inv, amax) if isinstance(plan.quantizer, NVFP4Quantizer) else (data, scale_inv)
+            parts = (data, scale_inv, amax) if plan.quantizer.has_global_scale() else (data, scale_inv)
             packed.extend(t.contiguous().view(_U8).reshape(-1) for t in parts)
     buf = torch.cat(packed)
     return torch.cat((buf, buf.new_zeros(plan.buffer_bytes - buf.numel()))) if buf.numel() < plan.buffer_bytes else buf

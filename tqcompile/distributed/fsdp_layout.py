@@ -62,8 +62,9 @@ def _cut_blocks(q: Quantizer, shape: tuple[int, int], world: int, layer: str) ->
         extent, what = block, [f"its {block}x{block} blocks"]
     elif gran is Granularity.BLOCKWISE_1D:
         extent, what = block, [f"the columnwise (dgrad) blocks of {block} along dim 0"]
-    if q.element_format().bits == 4 and extent % 2:
-        extent, what = extent * 2, [*what, "4-bit packing"]
+    fmt = q.element_format()
+    if extent % fmt.pack_elements:
+        extent, what = math.lcm(extent, fmt.pack_elements), [*what, f"{fmt.bits}-bit packing"]
     if n % extent == 0:
         return None
     return (
@@ -92,12 +93,12 @@ def _full_shapes(q: Quantizer, rows: int, k: int) -> dict[str, tuple[int, ...]]:
 
 
 def _transpose_payload(data: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """The payload of the transpose; 4-bit payloads are unpacked (element 2i in the low nibble),
-    transposed and packed again."""
-    if q.element_format().bits != 4:
+    """The payload of the transpose; packed payloads (4-bit: element 2i in the low nibble) are
+    unpacked, transposed and packed again."""
+    codec = q.element_format().codec
+    if codec.pack_elements == 1:
         return data.view(_U8).t().contiguous().view(data.dtype)
-    codes = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).t()
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    return codec.pack(codec.unpack(data).t()).contiguous()
 
 
 def padded_shard(shard: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -36,7 +36,7 @@ from tqcompile.nn.functional import linear
 from tqcompile.nn.quantized_linear import _check_recipe, _Quantized
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.ops.errors import raise_error, shape_str
-from tqcompile.quantizers import Granularity, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.recipes import Recipe
 from tqcompile.tensor import GroupedQuantizedTensor
 
@@ -74,9 +74,9 @@ class _Grouped:
     quantizer: Quantizer
 
     def args(self) -> tuple:
-        """(payload, scale_inv, amax, quantizer) for `grouped_gemm_tn`: NVFP4 dequantizes with
-        the amax; FP8/INT tensorwise scales are already per expert."""
-        return self.data, self.scale_inv, self.amax if isinstance(self.quantizer, NVFP4Quantizer) else None, self.quantizer
+        """(payload, scale_inv, amax, quantizer) for `grouped_gemm_tn`: a global scale (NVFP4)
+        dequantizes with the amax; FP8/INT tensorwise scales are already per expert."""
+        return self.data, self.scale_inv, self.amax if self.quantizer.has_global_scale() else None, self.quantizer
 
 
 def _quantize_grouped(

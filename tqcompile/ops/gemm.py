@@ -26,7 +26,7 @@ import torch
 
 from tqcompile.kernels import reference
 from tqcompile.ops.inductor import register_inductor_decompositions
-from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer
 
 
 def _scaled_mm_applies(
@@ -38,23 +38,25 @@ def _scaled_mm_applies(
     b_q: Quantizer,
     out_dtype: torch.dtype,
 ) -> bool:
-    if not (isinstance(a_q, Float8Quantizer) and isinstance(b_q, Float8Quantizer)):
+    if not (a_q.scaled_mm_operand() and b_q.scaled_mm_operand()):
         return False
     # An empty operand (e.g. an MoE expert given no tokens): torch._scaled_mm rejects the (0, 1)
     # rowwise scale, whose stride is (1, 0); the emulation returns the empty/zero product.
     if 0 in (*a_data.shape, *b_data.shape):
         return False
-    grans = {a_q.granularity, b_q.granularity}
+    (a_gran, a_axis, _), (b_gran, b_axis, _) = a_q.layout(), b_q.layout()
+    grans = {a_gran, b_gran}
     rowwise = grans == {Granularity.ROWWISE}
-    if not (grans == {Granularity.TENSORWISE} or (rowwise and a_q.axis % 2 == 1 and b_q.axis % 2 == 1)):
+    if not (grans == {Granularity.TENSORWISE} or (rowwise and a_axis % 2 == 1 and b_axis % 2 == 1)):
         return False
     if a_data.device.type != "cuda":
         return False  # on CPU `reference.fp8_gemm_cpu` computes these pairs (see its docstring)
     # CUDA's FP8 GEMMs: dims multiples of 16, not both E5M2; rowwise wants E4M3 and bf16 out.
     dims_ok = all(d % 16 == 0 for d in (*a_data.shape, b_data.shape[0]))
-    both_e5m2 = a_q.format.name == b_q.format.name == "E5M2"
+    a_fmt, b_fmt = a_q.element_format().name, b_q.element_format().name
+    both_e5m2 = a_fmt == b_fmt == "E5M2"
     if rowwise:
-        return dims_ok and a_q.format.name == b_q.format.name == "E4M3" and out_dtype is torch.bfloat16
+        return dims_ok and a_fmt == b_fmt == "E4M3" and out_dtype is torch.bfloat16
     return dims_ok and not both_e5m2
 
 

@@ -14,7 +14,7 @@ Two layouts of a grouped operand (payload, scale_inv, amax):
   `scale_inv` and NVFP4's `amax` have shape (E,); rowwise and block scales keep their usual shape.
 - **columnwise** (wgrad's operands, quantized along the tokens): the (C, Tc) transpose, each
   expert's tokens starting at a multiple of the quantizer's block along the tokens (32 for MX,
-  16 for NVFP4, 128 for 1x128 FP8, 2 for packed 4-bit elements, 1 otherwise), the gaps zero, so
+  16 for NVFP4, 128 for 1x128 FP8, a packed group for sub-byte elements (2 for 4-bit), 1 otherwise), the gaps zero, so
   no block mixes two experts. Tc is the static worst case ``(T + E*(block-1)) // block * block``
   (T itself when block is 1). A tensorwise `scale_inv` and NVFP4's `amax` have shape (E,), a
   rowwise (per expert and row) `scale_inv` shape (E, C, 1), block scales their usual shape.
@@ -48,9 +48,10 @@ import dataclasses
 import torch
 
 from tqcompile.kernels import reference
-from tqcompile.kernels.reference import _finite_abs, _prepare
+from tqcompile.kernels.reference import transformed
 from tqcompile.ops.gemm import gemm_tn
-from tqcompile.quantizers import Float8Quantizer, Granularity, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer
+from tqcompile.quantizers.scaling import finite_abs
 
 __all__ = [
     "token_multiple",
@@ -77,7 +78,7 @@ def token_multiple(q: Quantizer) -> int:
     gran, _, block = q.layout()
     if gran in _BLOCKS:
         return block
-    return 2 if q.element_format().bits == 4 else 1
+    return q.element_format().pack_elements
 
 
 def padded_tokens(num_tokens, num_experts: int, multiple: int):
@@ -176,11 +177,11 @@ def grouped_amax(x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, colu
     if columnwise and quantizer.hadamard_transformed():
         # The transform mixes tokens within a block: take the amax in the padded layout.
         multiple = token_multiple(quantizer)
-        a = _finite_abs(_prepare(_columnwise_layout(x, ends, multiple), quantizer))
+        a = finite_abs(transformed(_columnwise_layout(x, ends, multiple), quantizer))
         ids = expert_ids(_padded_ends(ends, multiple), a.shape[1])
         per_position = a.amax(0) if a.shape[0] else a.new_zeros(a.shape[1])
     else:
-        a = _finite_abs(_prepare(x, quantizer))
+        a = finite_abs(transformed(x, quantizer))
         ids = expert_ids(ends, a.shape[0])
         per_position = a.amax(1) if a.shape[1] else a.new_zeros(a.shape[0])
     return _segment_amax(per_position, ids, num_experts)
@@ -210,8 +211,8 @@ def grouped_quantize(
     xs = _columnwise_layout(x, ends, multiple) if columnwise else x
     seg_dim = 1 if columnwise else 0
     ids = expert_ids(_padded_ends(ends, multiple) if columnwise else ends, xs.shape[seg_dim])
-    if isinstance(quantizer, NVFP4Quantizer) and (columnwise or gran is Granularity.BLOCKWISE_2D):
-        # NVFP4 block scales need the amax per block, the elements per element: one tensor cannot
+    if quantizer.has_global_scale() and (columnwise or gran is Granularity.BLOCKWISE_2D):
+        # Block scales under a global scale (NVFP4) need the amax per block, the elements per element: one tensor cannot
         # broadcast to both when the expert segments run along the blocks (columnwise) or across
         # the tiles (16x16 weight tiles), so quantize each expert's segment on its own.
         return _quantize_per_segment(xs, quantizer, _padded_ends(ends, multiple) if columnwise else ends, amax, seed, seg_dim)
@@ -226,7 +227,7 @@ def grouped_quantize(
         return reference.quantize(xs, quantizer, amax_pos, seed)  # NVFP4: block scales under the per-expert amax
     if gran is Granularity.ROWWISE and columnwise:
         # One scale per (row, expert): the row's amax over that expert's tokens.
-        row_amax = _segment_amax(_finite_abs(_prepare(xs, quantizer)), ids, num_experts, dim=1)  # (C, E)
+        row_amax = _segment_amax(finite_abs(transformed(xs, quantizer)), ids, num_experts, dim=1)  # (C, E)
         data = reference.quantize(xs, quantizer, row_amax[:, ids], seed)[0]
         return data, _per_expert_scale_inv(quantizer, row_amax).t().unsqueeze(-1).contiguous()
     # Rowwise along C, and blocks (which never cross an expert's segment): the usual quantize.
@@ -326,14 +327,13 @@ def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> tor
 
 
 def _scaled_family(a_q: Quantizer, b_q: Quantizer) -> bool:
-    ok = (Granularity.TENSORWISE, Granularity.ROWWISE)
-    return all(isinstance(q, Float8Quantizer) and q.granularity in ok for q in (a_q, b_q))
+    return a_q.scaled_mm_operand() and b_q.scaled_mm_operand()
 
 
 def _segment(data, scale_inv, amax, q: Quantizer, e: int, lo: int, hi: int, columnwise: bool):
     """Expert e's (payload, scale_inv, amax) in the layout of a per-expert `tq.quantize`
     (tensorwise or rowwise quantizers: no padding, no packing)."""
-    if q.granularity is Granularity.TENSORWISE:
+    if q.layout()[0] is Granularity.TENSORWISE:
         s = scale_inv[e]
     else:
         s = scale_inv[e] if columnwise else scale_inv[lo:hi]

@@ -30,7 +30,7 @@ import functools
 import torch
 
 from tqcompile.kernels import reference
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer
+from tqcompile.quantizers import Granularity
 
 __all__ = ["register_inductor_decompositions"]
 
@@ -40,12 +40,12 @@ def _on_cpu(*tensors: torch.Tensor | None) -> bool:
 
 
 def _fusable(q) -> bool:
-    """Quantizers whose reference kernel inductor compiles (torch 2.13, CPU). The others stay opaque:
-    measured, inductor's CPU backend has no C++ type for float8_e8m0fnu (MX scales: "missing from
-    DTYPE_TO_CPP"), and its loop tiling asserts on the 1-D block reshapes of BLOCKWISE_1D FP8 and
-    1x16 NVFP4 when a graph quantizes a tensor and its transpose ("extra_indexing_ranges")."""
-    gran = q.layout()[0]
-    return isinstance(q, (Float8Quantizer, IntQuantizer)) and gran in (Granularity.TENSORWISE, Granularity.ROWWISE)
+    """Quantizers whose reference kernel inductor compiles (torch 2.13, CPU): one fp32 scale per
+    tensor or row (FP8 and INT). The block layouts stay opaque: measured, inductor's CPU backend
+    has no C++ type for float8_e8m0fnu (MX scales: "missing from DTYPE_TO_CPP"), and its loop
+    tiling asserts on the 1-D block reshapes of BLOCKWISE_1D FP8 and 1x16 NVFP4 when a graph
+    quantizes a tensor and its transpose ("extra_indexing_ranges")."""
+    return q.layout()[0] in (Granularity.TENSORWISE, Granularity.ROWWISE) and q.scale_dtype() == torch.float32
 
 
 def _amax(x, quantizer):

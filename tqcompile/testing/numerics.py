@@ -33,11 +33,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from tqcompile.formats import E2M1_VALUES, Format
+from tqcompile.formats import Format
 from tqcompile.kernels.reference import hadamard_matrix
 from tqcompile.quantizers import (
     Float8Quantizer,
@@ -68,8 +69,6 @@ _U = 2.0**-24  # fp32 unit roundoff
 _FP32_SUBNORMAL = 2.0**-149  # smallest fp32 subnormal; absolute rounding error there is at most half of it
 _NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value  # 448 * 6
 _E4M3_HALF_SUBNORMAL = 2.0**-10  # e4m3 rounds to 0 at or below this (half its smallest subnormal)
-# (mantissa bits, exponent of the smallest normal) of the FP8 element formats.
-_FP8_BITS = {Format.E4M3: (3, -6), Format.E5M2: (2, -14)}
 _INNER = ("_data", "_scale_inv", "_amax", "_data_t", "_scale_inv_t", "_amax_t")
 
 
@@ -142,17 +141,43 @@ def assert_payload_equal(a: QuantizedTensor, b: QuantizedTensor, *, check_dtype:
             _assert_bits_equal(name, ta, tb)
 
 
+def _codes(data: torch.Tensor, bits: int) -> torch.Tensor:
+    """The `bits`-wide codes of a packed payload, read as the spec lays them out: the last dim's
+    bytes as one little-endian bit stream, element i at bits [bits*i, bits*(i+1))."""
+    shifts = torch.arange(8, device=data.device)
+    stream = ((data.long().unsqueeze(-1) >> shifts) & 1).flatten(-2)  # (..., 8 * nbytes) bits
+    fields = stream.unflatten(-1, (-1, bits))
+    return (fields << shifts[:bits]).sum(-1)
+
+
+def _float_facts(fmt: Format) -> tuple[int, int, int]:
+    """(mantissa bits, exponent bias, exponent of the smallest normal) of a float element format."""
+    codec = fmt.codec
+    return codec.mbits, codec.bias, 1 - codec.bias
+
+
+def _small_float_grid(fmt: Format) -> torch.Tensor:
+    """The non-negative values of a float format narrower than a byte (no inf / NaN), float64,
+    indexed by the magnitude bits: ``m * 2**(emin - mbits)`` for exponent field 0 (subnormals),
+    ``(1 + m / 2**mbits) * 2**(e - bias)`` otherwise."""
+    mbits, bias, emin = _float_facts(fmt)
+    codes = torch.arange(2 ** (fmt.bits - 1), dtype=torch.float64)
+    e, m = torch.div(codes, 2**mbits, rounding_mode="floor"), torch.remainder(codes, 2**mbits)
+    return torch.where(e == 0, m * 2.0 ** (emin - mbits), (1 + m / 2**mbits) * torch.pow(2.0, e - bias))
+
+
 def payload_values(data: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
-    """The element values a payload holds, before scaling: float32 in the logical shape (4-bit
-    payloads unpacked, low nibble first), keeping signed zeros and FP8 NaNs."""
+    """The element values a payload holds, before scaling: float32 in the logical shape (packed
+    payloads unpacked: 4-bit ones low nibble first), keeping signed zeros and FP8 NaNs."""
     fmt = quantizer.element_format()
-    if fmt.bits == 8:
+    if fmt.torch_dtype is not None:
         return data.float()
-    nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).long()
-    if fmt is Format.INT4:
-        return torch.where(nibbles >= 8, nibbles - 16, nibbles).float()
-    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)[nibbles & 7]
-    return torch.where(nibbles >= 8, -mags, mags)
+    codes = _codes(data, fmt.bits)
+    negative = codes >= 2 ** (fmt.bits - 1)
+    if fmt.is_int:
+        return torch.where(negative, codes - 2**fmt.bits, codes).float()
+    mags = _small_float_grid(fmt).float()[codes % 2 ** (fmt.bits - 1)]
+    return torch.where(negative, -mags, mags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,19 +268,37 @@ def expected_scale_inv(quantizer: Quantizer, x: torch.Tensor, amax: torch.Tensor
     the kernels: FP8/INT ``1 / (fmt_max / max(amax, eps))`` in fp32 (optionally a power of two),
     MX the E8M0 exponent from its exact floor/RCEIL definition, NVFP4 the E4M3 block scale.
     `amax` overrides the tensor-level amax of quantizers that use one."""
-    q = quantizer
-    _check_amax(q, amax)
-    xf = _transformed(q, x)
-    if isinstance(q, NVFP4Quantizer):
-        return _nvfp4_scales(q, xf, amax)[1]
-    if isinstance(q, MXQuantizer):
-        e = _mx_exponent(_unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape)), q)
-        return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-    if isinstance(q, (Float8Quantizer, IntQuantizer)):
-        unit = amax if amax is not None else _unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape))
-        pow2 = isinstance(q, Float8Quantizer) and q.power_of_two_scale
-        return 1.0 / _fp32_scale(q.element_format().max_value, unit, q.amax_epsilon, pow2)
+    _check_amax(quantizer, amax)
+    return _spec_scale_inv(quantizer, _transformed(quantizer, x), amax)
+
+
+# The scale rule of each family, from its docs/numerics page: registered per family.
+@functools.singledispatch
+def _spec_scale_inv(q: Quantizer, xf: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
     raise TypeError(f"expected_scale_inv: unknown quantizer type {type(q).__name__}")
+
+
+@_spec_scale_inv.register(NVFP4Quantizer)
+def _(q: NVFP4Quantizer, xf, amax) -> torch.Tensor:
+    return _nvfp4_scales(q, xf, amax)[1]
+
+
+@_spec_scale_inv.register(MXQuantizer)
+def _(q: MXQuantizer, xf, amax) -> torch.Tensor:
+    e = _mx_exponent(_unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape)), q)
+    return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+@_spec_scale_inv.register(Float8Quantizer)
+@_spec_scale_inv.register(IntQuantizer)
+def _(q: Float8Quantizer | IntQuantizer, xf, amax) -> torch.Tensor:
+    return 1.0 / _amax_scale(q, xf, amax)
+
+
+def _amax_scale(q: Float8Quantizer | IntQuantizer, xf: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    """FP8 / INT: ``fmt_max / max(amax, eps)`` per unit (a power of two where asked)."""
+    unit = amax if amax is not None else _unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape))
+    return _fp32_scale(q.element_format().max_value, unit, q.amax_epsilon, getattr(q, "power_of_two_scale", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,14 +309,14 @@ def element_error_bound(fmt: Format, v: torch.Tensor, *, stochastic: bool = Fals
     grid gap around ``|v|`` (the whole gap with stochastic rounding), or ``|v| - max`` where
     ``|v|`` exceeds the format max and saturates. float64, `v`'s shape; non-finite `v` gives inf."""
     t = v.double().abs()
-    if fmt in _FP8_BITS:
-        mbits, emin = _FP8_BITS[fmt]
+    if fmt.is_float:
+        # Neighbours are 2**(e - mbits) apart in the binade [2**e, 2**(e+1)), and 2**(emin - mbits)
+        # apart among the subnormals (below 2**emin): for E2M1 0.5 below 2, 1 below 4, 2 below 6.
+        mbits, _, emin = _float_facts(fmt)
         _, exp = torch.frexp(t)
         e = torch.where(t >= 2.0**emin, exp - 1, torch.full_like(exp, emin))
         half_gap = torch.ldexp(torch.ones_like(t), e - mbits - 1)
-    elif fmt is Format.E2M1:
-        half_gap = torch.where(t < 2, 0.25, torch.where(t < 4, 0.5, 1.0)).double()
-    elif fmt in (Format.INT8, Format.INT4):
+    elif fmt.is_int:
         half_gap = torch.full_like(t, 0.5)
     else:
         raise ValueError(f"element_error_bound: {fmt} is not an element format")
@@ -286,30 +329,39 @@ def _slack(bound: torch.Tensor, x: torch.Tensor, fp32_roundings: int) -> torch.T
     return bound + (fp32_roundings + 1) * _U * (x.abs() + bound) + _FP32_SUBNORMAL
 
 
+@functools.singledispatch
 def _scaling(q: Quantizer, xf: torch.Tensor, amax: torch.Tensor | None):
     """(v, v_to_x, fp32_roundings, zero_units): the values the element format sees (float64),
     the per-element factor back to units of x, how many fp32 roundings a round trip adds, and the
-    elements whose scale is zero (NVFP4 blocks whose E4M3 scale underflows), or None."""
-    if isinstance(q, NVFP4Quantizer):
-        s_enc, s_blk = _nvfp4_scales(q, xf, amax)
-        s_blk_e = _per_element(s_blk.float(), q.layout())
-        zero = s_blk_e == 0
-        # The kernels' fp32 order, so saturation is classified as they see it.
-        v = torch.where(zero, torch.zeros_like(xf), xf * s_enc / s_blk_e)
-        return v.double(), s_blk_e.double() / s_enc.double(), 3, zero
-    if isinstance(q, MXQuantizer):
-        e = _mx_exponent(_unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape)), q)
-        to_x = torch.ldexp(torch.ones(e.shape, dtype=torch.float64), e)
-        to_x = _per_element(to_x, q.layout())
-        # The kernels divide in fp32: the exact quotient rounded once, which differs from it only
-        # below fp32's normal range, where the element rounds to a (signed) zero either way.
-        return (xf.double() / to_x).float().double(), to_x, 0, None
-    if isinstance(q, (Float8Quantizer, IntQuantizer)):
-        unit = amax if amax is not None else _unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape))
-        pow2 = isinstance(q, Float8Quantizer) and q.power_of_two_scale
-        s = _per_element(_fp32_scale(q.element_format().max_value, unit, q.amax_epsilon, pow2), q.layout())
-        return (xf * s).double(), 1.0 / s.double(), 3, None
+    elements whose scale is zero (NVFP4 blocks whose E4M3 scale underflows), or None. Registered per family."""
     raise TypeError(f"unknown quantizer type {type(q).__name__}")
+
+
+@_scaling.register(NVFP4Quantizer)
+def _(q: NVFP4Quantizer, xf, amax):
+    s_enc, s_blk = _nvfp4_scales(q, xf, amax)
+    s_blk_e = _per_element(s_blk.float(), q.layout())
+    zero = s_blk_e == 0
+    # The kernels' fp32 order, so saturation is classified as they see it.
+    v = torch.where(zero, torch.zeros_like(xf), xf * s_enc / s_blk_e)
+    return v.double(), s_blk_e.double() / s_enc.double(), 3, zero
+
+
+@_scaling.register(MXQuantizer)
+def _(q: MXQuantizer, xf, amax):
+    e = _mx_exponent(_unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape)), q)
+    to_x = torch.ldexp(torch.ones(e.shape, dtype=torch.float64), e)
+    to_x = _per_element(to_x, q.layout())
+    # The kernels divide in fp32: the exact quotient rounded once, which differs from it only
+    # below fp32's normal range, where the element rounds to a (signed) zero either way.
+    return (xf.double() / to_x).float().double(), to_x, 0, None
+
+
+@_scaling.register(Float8Quantizer)
+@_scaling.register(IntQuantizer)
+def _(q: Float8Quantizer | IntQuantizer, xf, amax):
+    s = _per_element(_amax_scale(q, xf, amax), q.layout())
+    return (xf * s).double(), 1.0 / s.double(), 3, None
 
 
 def scaled_values(quantizer: Quantizer, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,10 +372,11 @@ def scaled_values(quantizer: Quantizer, x: torch.Tensor, amax: torch.Tensor | No
     return _scaling(quantizer, _transformed(quantizer, x), amax)[0]
 
 
-def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 value by exhaustive search of the grid, ties to the even code, saturating."""
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float64)
-    mag = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=Format.E2M1.max_value)
+def _round_small_float(v: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Nearest value of a small float format (E2M1, ...) by exhaustive search of its grid, ties to
+    the even code, saturating."""
+    grid = _small_float_grid(fmt)
+    mag = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=fmt.max_value)
     dist = (mag.unsqueeze(-1) - grid).abs()
     best = dist == dist.amin(-1, keepdim=True)
     codes = torch.arange(grid.numel())
@@ -339,20 +392,20 @@ def expected_payload_values(quantizer: Quantizer, x: torch.Tensor, amax: torch.T
     rounded to nearest, ties to even (FP8 by torch's cast, E2M1 by searching its grid, INT by
     `torch.round`), saturated to ±max; NaN stays NaN in FP8 and is 0 in E2M1/INT. Not defined for
     stochastic rounding."""
-    if isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding:
+    if quantizer.needs_seed():
         raise ValueError("expected_payload_values: stochastic rounding has no single expected payload")
     v = scaled_values(quantizer, x, amax)
     fmt = quantizer.element_format()
-    if fmt in _FP8_BITS:
+    if fmt.is_float and fmt.torch_dtype is not None:
         return v.float().clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype).float()
-    if fmt is Format.E2M1:
-        return _round_e2m1(v)
+    if fmt.is_float:
+        return _round_small_float(v, fmt)
     return torch.nan_to_num(v, nan=0.0).clamp(-fmt.max_value, fmt.max_value).round().float() + 0.0  # + 0.0: no -0 in INT
 
 
 def _untransformed_bound(q: Quantizer, xf: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
     v, to_x, roundings, zero = _scaling(q, xf, amax)
-    stochastic = isinstance(q, NVFP4Quantizer) and q.stochastic_rounding
+    stochastic = q.needs_seed()
     bound = _slack(element_error_bound(q.element_format(), v, stochastic=stochastic) * to_x, xf.double(), roundings)
     if zero is not None:
         # An E4M3 block scale is zero only when amax_blk / 6 * s_enc <= 2**-10 (its midpoint

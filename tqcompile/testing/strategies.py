@@ -94,7 +94,7 @@ def float8_quantizers(
     """`Float8Quantizer`s; each argument restricts one field (None: every allowed value)."""
     return st.builds(
         Float8Quantizer,
-        format=_choice(formats, (Format.E4M3, Format.E5M2)),
+        format=_choice(formats, Float8Quantizer.allowed_formats()),
         granularity=_choice(granularities, tuple(Granularity)),
         axis=_choice(axes, DEFAULT_AXES),
         block_size=_choice(block_sizes, DEFAULT_BLOCK_SIZES),
@@ -108,10 +108,10 @@ def mx_quantizers(
     formats: Format | Sequence[Format] | None = None,
     scale_roundings: ScaleRounding | Sequence[ScaleRounding] | None = None,
 ) -> SearchStrategy[MXQuantizer]:
-    """`MXQuantizer`s (MXFP8 E4M3/E5M2, MXFP4) with either scale rounding rule."""
+    """`MXQuantizer`s (MXFP8 E4M3/E5M2, MXFP4: every registered MX element format) with either scale rounding rule."""
     return st.builds(
         MXQuantizer,
-        format=_choice(formats, (Format.E4M3, Format.E5M2, Format.E2M1)),
+        format=_choice(formats, MXQuantizer.allowed_formats()),
         scale_rounding=_choice(scale_roundings, tuple(ScaleRounding)),
     )
 
@@ -144,7 +144,7 @@ def int_quantizers(
     """`IntQuantizer`s (INT8, INT4) per tensor, per channel (any axis) or per block."""
     return st.builds(
         IntQuantizer,
-        format=_choice(formats, (Format.INT8, Format.INT4)),
+        format=_choice(formats, IntQuantizer.allowed_formats()),
         granularity=_choice(granularities, (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE_1D)),
         axis=_choice(axes, DEFAULT_AXES),
         block_size=_choice(block_sizes, DEFAULT_BLOCK_SIZES),
@@ -195,8 +195,7 @@ def _units(quantizer: Quantizer) -> tuple[int, int, int]:
     """(last-dim unit, second-to-last unit, minimum ndim) of the shapes `quantizer` accepts."""
     gran, axis, block = quantizer.layout()
     last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
-    if quantizer.element_format().bits == 4:
-        last = math.lcm(last, 2)
+    last = math.lcm(last, quantizer.element_format().pack_elements)
     if quantizer.hadamard_transformed():
         last = math.lcm(last, 16)
     second = block if gran is Granularity.BLOCKWISE_2D else 1

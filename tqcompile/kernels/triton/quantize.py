@@ -23,6 +23,7 @@ layouts reduce to three shapes of work:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -32,13 +33,14 @@ import triton.language as tl
 from tqcompile.formats import Format
 from tqcompile.kernels.triton import _numerics as nx
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
+from tqcompile.quantizers.nvfp4 import NVFP4_ENC
 
 __all__ = ["supports", "quantize"]
 
-# (largest finite value, mantissa bits, exponent bias) of the FP8 element formats.
-_FP8 = {Format.E4M3: (448.0, 3, 7), Format.E5M2: (57344.0, 2, 15)}
-_NVFP4_ENC = Format.E4M3.max_value * Format.E2M1.max_value
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The MX element formats with a kernel here, and which: FP8 elements share one kernel (constants
+# from the codec), E2M1 has its own. Other registered MX element formats run the reference.
+_MX_KERNELS = {Format.E4M3: "fp8", Format.E5M2: "fp8", Format.E2M1: "fp4"}
 # Elements one program handles: large enough to hide memory latency on a GPU, small enough to
 # stay in registers (and few programs keep the interpreter fast).
 _TILE = 4096
@@ -337,21 +339,37 @@ def supports(x: torch.Tensor, q: Quantizer, amax: torch.Tensor | None, seed: tor
         q.check_shape(x.shape)
     except ValueError:
         return False
-    if isinstance(q, Float8Quantizer):
-        if amax is None:
-            return True
-        # The reference scales with a given amax even for local granularities; only the
-        # tensorwise use of it is the op's contract.
-        return q.granularity is Granularity.TENSORWISE and _is_scalar_f32(amax, x)
-    if isinstance(q, MXQuantizer):
-        return True
-    if isinstance(q, NVFP4Quantizer):
-        if q.hadamard or amax is None or not _is_scalar_f32(amax, x):
-            return False
-        if q.stochastic_rounding:
-            return seed is not None and seed.dtype == torch.int64 and seed.shape == (2,) and seed.device == x.device
-        return True
+    return _covers(q, x, amax, seed)
+
+
+# Which calls each family's kernels cover, and how they launch: registered per family (a family
+# without kernels here runs the reference).
+@functools.singledispatch
+def _covers(q: Quantizer, x: torch.Tensor, amax: torch.Tensor | None, seed: torch.Tensor | None) -> bool:
     return False
+
+
+@_covers.register(Float8Quantizer)
+def _(q: Float8Quantizer, x, amax, seed) -> bool:
+    if amax is None:
+        return True
+    # The reference scales with a given amax even for local granularities; only the
+    # tensorwise use of it is the op's contract.
+    return q.granularity is Granularity.TENSORWISE and _is_scalar_f32(amax, x)
+
+
+@_covers.register(MXQuantizer)
+def _(q: MXQuantizer, x, amax, seed) -> bool:
+    return q.format in _MX_KERNELS  # an MX element format without a kernel here runs the reference
+
+
+@_covers.register(NVFP4Quantizer)
+def _(q: NVFP4Quantizer, x, amax, seed) -> bool:
+    if q.hadamard or amax is None or not _is_scalar_f32(amax, x):
+        return False
+    if q.stochastic_rounding:
+        return seed is not None and seed.dtype == torch.int64 and seed.shape == (2,) and seed.device == x.device
+    return True
 
 
 def _is_scalar_f32(t: torch.Tensor, x: torch.Tensor) -> bool:
@@ -378,13 +396,19 @@ def quantize(
     scale_k = scale if scale.dtype == torch.float32 else scale.view(torch.uint8)
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
-        if isinstance(q, Float8Quantizer):
-            _launch_fp8(xk, in_bf16, q, amax, out_u8, scale_k)
-        elif isinstance(q, MXQuantizer):
-            _launch_mx(xk, in_bf16, q, out_u8, scale_k)
-        else:
-            _launch_nvfp4(xk, in_bf16, q, amax, seed, out_u8, scale_k)
+        _launch(q, xk, in_bf16, amax, seed, out_u8, scale_k)
     return payload, scale
+
+
+@functools.singledispatch
+def _launch(q: Quantizer, xk, in_bf16: bool, amax, seed, out_u8, scale_k) -> None:
+    raise TypeError(f"no Triton kernel for {type(q).__name__}")
+
+
+def _fp8_consts(fmt: Format) -> tuple[float, int, int]:
+    """(largest finite value, mantissa bits, exponent bias) of an FP8 element format, from its codec."""
+    codec = fmt.codec
+    return codec.max_value, codec.mbits, codec.bias
 
 
 def _opts(elements: int) -> dict:
@@ -393,8 +417,9 @@ def _opts(elements: int) -> dict:
     return {"num_warps": 8 if elements >= 4096 else 4, "enable_fp_fusion": False}
 
 
-def _launch_fp8(xk, in_bf16, q: Float8Quantizer, amax, out_u8, scale_inv) -> None:
-    fmt_max, mbits, bias = _FP8[q.format]
+@_launch.register(Float8Quantizer)
+def _launch_fp8(q: Float8Quantizer, xk, in_bf16, amax, seed, out_u8, scale_inv) -> None:
+    fmt_max, mbits, bias = _fp8_consts(q.format)
     common = dict(IN_BF16=in_bf16, FMT_MAX=fmt_max, MBITS=mbits, BIAS=bias, POW2=q.power_of_two_scale)
     eps = q.amax_epsilon
     shape = xk.shape
@@ -442,25 +467,27 @@ def _launch_fp8(xk, in_bf16, q: Float8Quantizer, amax, out_u8, scale_inv) -> Non
         )  # fmt: skip
 
 
-def _launch_mx(xk, in_bf16, q: MXQuantizer, out_u8, scale_u8) -> None:
+@_launch.register(MXQuantizer)
+def _launch_mx(q: MXQuantizer, xk, in_bf16, amax, seed, out_u8, scale_u8) -> None:
     n_blocks = xk.numel() // 32
     block_r = max(1, min(triton.next_power_of_2(n_blocks), _TILE // 32))
     grid = (triton.cdiv(n_blocks, block_r),)
     rceil = q.scale_rounding is ScaleRounding.RCEIL
-    if q.format is Format.E2M1:
+    if _MX_KERNELS[q.format] == "fp4":
         _mx_fp4_kernel[grid](xk, out_u8, scale_u8, n_blocks, IN_BF16=in_bf16, RCEIL=rceil, BLOCK_R=block_r, **_opts(block_r * 32))
     else:
-        fmt_max, mbits, bias = _FP8[q.format]
+        fmt_max, mbits, bias = _fp8_consts(q.format)
         _mx_fp8_kernel[grid](
             xk, out_u8, scale_u8, n_blocks, IN_BF16=in_bf16, FMT_MAX=fmt_max, MBITS=mbits, BIAS=bias,
             EMAX=q.format.emax, RCEIL=rceil, BLOCK_R=block_r, **_opts(block_r * 32),
         )  # fmt: skip
 
 
-def _launch_nvfp4(xk, in_bf16, q: NVFP4Quantizer, amax, seed, out_u8, scale_u8) -> None:
+@_launch.register(NVFP4Quantizer)
+def _launch_nvfp4(q: NVFP4Quantizer, xk, in_bf16, amax, seed, out_u8, scale_u8) -> None:
     # Without stochastic rounding the seed pointer is never read; amax stands in for it.
     seed_k = seed if q.stochastic_rounding else amax
-    common = dict(IN_BF16=in_bf16, ENC=_NVFP4_ENC, STOCHASTIC=q.stochastic_rounding)
+    common = dict(IN_BF16=in_bf16, ENC=NVFP4_ENC, STOCHASTIC=q.stochastic_rounding)
     if q.block_2d:
         n_tile_rows, tiles_c = xk.numel() // (xk.shape[-1] * 16), xk.shape[-1] // 16
         tc = min(triton.next_power_of_2(tiles_c), 16)

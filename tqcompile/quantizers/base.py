@@ -1,20 +1,16 @@
-"""Quantizers: immutable value objects that say *how* to quantize.
+"""The quantizer base class: what every quantizer is and answers, whatever its family.
 
 A quantizer is a frozen, slotted dataclass whose fields are Python scalars and Enums only. It is
 registered as a torch.compile *value* opaque type, so it can be an argument of a custom op;
 Dynamo guards on `__eq__`, so an equal quantizer never recompiles and a different one does.
 Changing a setting means making a new quantizer (`dataclasses.replace`), never mutation.
 
-Every quantizer maps onto one *block layout*: which elements share one scale.
-
-=================  ====================================================  =====================
-granularity        elements that share a scale                           scale shape for (…, M, K)
-=================  ====================================================  =====================
-TENSORWISE         all                                                   ()
-ROWWISE            all along `axis` (one scale per row for axis=-1)      shape with axis set to 1
-BLOCKWISE_1D       `block` consecutive elements of the last dim          (…, M, K/block)
-BLOCKWISE_2D       `block` x `block` tiles of the last two dims          (…, M/block, K/block)
-=================  ====================================================  =====================
+A family (`tqcompile.quantizers.fp8`, `integer`, `mx`, `nvfp4`) subclasses `Quantizer`, says its
+element format and layout (`tqcompile.quantizers.geometry`), answers the capability questions
+below where its answer differs from the default, writes its reference numerics
+(`reference_quantize` / `reference_dequantize`, which `tqcompile.kernels.reference` runs) and
+registers itself with `register_family`. Other layers ask these methods, or keep a
+`functools.singledispatch` registry of their own per family; none branches on the class.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import ClassVar
 
 import torch
 
@@ -32,39 +27,32 @@ import torch
 # tqcompile._opaque picks torch's names for it (renamed in torch 2.14).
 from tqcompile._opaque import OpaqueBase, register_value_type
 from tqcompile.formats import Format
+from tqcompile.quantizers import geometry
+from tqcompile.quantizers.geometry import Granularity
+from tqcompile.quantizers.scaling import FP32_MAX
 
-__all__ = [
-    "Granularity",
-    "ScaleRounding",
-    "Quantizer",
-    "Float8Quantizer",
-    "MXQuantizer",
-    "NVFP4Quantizer",
-    "IntQuantizer",
-]
+__all__ = ["Quantizer", "register_family", "quantizer_families", "PUBLIC_MODULE"]
 
-# Largest fp32 value; `max_value / amax_epsilon` must stay below it so scales are finite.
-_FP32_MAX = torch.finfo(torch.float32).max
+# Pickles, `torch.load(weights_only=True)` allow-lists and exported graphs name a quantizer class
+# by module and name: the families keep the module they had before quantizers became a package,
+# so saved quantizers, states and checkpoints load either way.
+PUBLIC_MODULE = "tqcompile.quantizers"
 
-
-class Granularity(enum.Enum):
-    """Which elements share one scale (see the table in this module's docstring)."""
-
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-    BLOCKWISE_1D = "blockwise_1d"
-    BLOCKWISE_2D = "blockwise_2d"
+_FAMILIES: list[type] = []
 
 
-class ScaleRounding(enum.Enum):
-    """How an MX block's power-of-two scale is chosen from the block amax.
+def register_family(cls: type) -> type:
+    """Class decorator of a quantizer family: registers it as a value opaque type (an argument of
+    custom ops) and lists it in `quantizer_families` (config files, `torch.load` allow-lists)."""
+    cls.__module__ = PUBLIC_MODULE  # after the dataclass is built: it resolves `ClassVar` in the defining module
+    register_value_type(cls)
+    _FAMILIES.append(cls)
+    return cls
 
-    FLOOR: OCP MX v1.0, ``e = floor(log2(amax)) - emax_elem``; the largest element may saturate.
-    RCEIL: ``e = ceil(log2(amax / elem_max))``; never saturates (the rule of NVIDIA's MXFP8 GEMMs).
-    """
 
-    FLOOR = "floor"
-    RCEIL = "rceil"
+def quantizer_families() -> tuple[type, ...]:
+    """The registered quantizer classes, in registration order."""
+    return tuple(_FAMILIES)
 
 
 def _bad(cls_name: str, field: str, value: object, allowed: str) -> ValueError:
@@ -75,20 +63,42 @@ def _bad(cls_name: str, field: str, value: object, allowed: str) -> ValueError:
 class Quantizer(OpaqueBase):
     """Base of all quantizers. Subclasses are frozen dataclasses of scalars and Enums."""
 
-    # Names a repr may use, for `__fx_repr__` and `eval`.
-    _ENUMS: ClassVar[tuple[type, ...]] = (Format, Granularity, ScaleRounding)
-
-    # --- the block layout (overridden) -------------------------------------------------
+    # --- what the family is (overridden) -------------------------------------------------
     def element_format(self) -> Format:
         raise NotImplementedError
 
-    def layout(self) -> tuple[Granularity, int, int]:
+    def layout(self) -> geometry.Layout:
         """(granularity, axis, block) of this quantizer's scales. (Methods, not properties: Dynamo cannot read a property of a slotted value opaque object.)"""
         raise NotImplementedError
 
+    # --- capabilities: what other layers ask instead of the class --------------------------
     def uses_tensor_amax(self) -> bool:
         """True when a tensor-level amax feeds the scale; that amax is what `amax_group` reduces."""
         return self.layout()[0] is Granularity.TENSORWISE
+
+    def has_global_scale(self) -> bool:
+        """True when the tensor-level amax sets a global fp32 scale above the stored per-unit
+        scales (NVFP4's ``s_enc``): dequantizing then needs that amax too, and it is no scaling
+        unit's amax (calibration searches it only as a whole, AWQ keeps the blocks that hold it)."""
+        return self.uses_tensor_amax() and self.layout()[0] is not Granularity.TENSORWISE
+
+    def takes_static_amax(self) -> bool:
+        """True when a calibrated (static) amax can set the scales; False where every unit's scale
+        comes from the unit itself (MX blocks)."""
+        return True
+
+    def scaled_mm_operand(self) -> bool:
+        """True when the payload is FP8 under one fp32 scale per tensor or per row: an operand
+        `torch._scaled_mm` multiplies as it is (the GEMM ops' fast path; on CPU, what
+        `reference.fp8_gemm_cpu` computes)."""
+        fmt = self.element_format()
+        gran = self.layout()[0]
+        return (
+            fmt.is_float
+            and fmt.bits == 8
+            and self.scale_dtype() == torch.float32
+            and gran in (Granularity.TENSORWISE, Granularity.ROWWISE)
+        )
 
     def scale_dtype(self) -> torch.dtype:
         return torch.float32
@@ -106,7 +116,7 @@ class Quantizer(OpaqueBase):
         """True when the columnwise usage holds the rowwise usage's quantized values, transposed,
         each under the same scale (one tensor-level scale, or 2-D blocks whose scale grid
         transposes with them) and no transform along the last dim. Its payload and scales can
-        then be derived from the rowwise usage by transposing both, unpacking 4-bit payloads
+        then be derived from the rowwise usage by transposing both, unpacking packed payloads
         (what FSDP2's quantized all-gather does after the gather: `fsdp_layout.transpose_payload`).
 
         `columnwise_is_byte_transpose` is the narrower case a plain byte transpose serves."""
@@ -116,7 +126,7 @@ class Quantizer(OpaqueBase):
         """True when the columnwise usage is the rowwise payload's bytes transposed, with the very
         same scale tensor: one tensor-level scale and one byte per element (FP8 and INT8
         tensorwise). A subset of `columnwise_is_transpose`: 2-D blocks also need their scale grid
-        transposed and 4-bit payloads repacked. Tensor parallelism derives a reused operand's
+        transposed and packed payloads repacked. Tensor parallelism derives a reused operand's
         columnwise usage this way (`tp_comm.columnwise_from_rowwise`)."""
         return self.layout()[0] is Granularity.TENSORWISE and self.element_format().bits == 8
 
@@ -130,8 +140,11 @@ class Quantizer(OpaqueBase):
 
     def __fx_repr__(self) -> tuple[str, dict[str, type]]:
         # Classes only, never a module: a module here breaks inductor's FX graph cache pickling.
-        names = {type(self).__name__: type(self)}
-        names.update({e.__name__: e for e in self._ENUMS})
+        names: dict[str, type] = {type(self).__name__: type(self)}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, enum.Enum):
+                names[type(v).__name__] = type(v)
         return repr(self), names
 
     # --- shapes ------------------------------------------------------------------------
@@ -165,8 +178,9 @@ class Quantizer(OpaqueBase):
                         f"{name}: dim {d} of shape {shape} is {shape[d]}, not a multiple of the block size {block}; "
                         f"pad it with {padded - shape[d]} zeros to {padded} (e.g. torch.nn.functional.pad)"
                     )
-        if self.element_format().bits == 4 and (len(shape) == 0 or shape[-1] % 2):
-            return f"{name}: 4-bit payloads pack two elements a byte; the last dim must be even, got shape {shape}"
+        group = self.element_format().pack_elements
+        if group > 1 and (len(shape) == 0 or shape[-1] % group):
+            return f"{name}: {self.element_format().codec.packing_rule()}, got shape {shape}"
         if self.hadamard_transformed() and shape[-1] % 16:
             return f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}"
         return None
@@ -179,8 +193,7 @@ class Quantizer(OpaqueBase):
         if not shape or (gran is Granularity.BLOCKWISE_2D and len(shape) < 2):
             return None
         last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
-        if self.element_format().bits == 4:
-            last = math.lcm(last, 2)
+        last = math.lcm(last, self.element_format().pack_elements)
         if self.hadamard_transformed():
             last = math.lcm(last, 16)
         units = [1] * len(shape)
@@ -192,16 +205,7 @@ class Quantizer(OpaqueBase):
 
     def scale_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
         """Shape of the scale tensor for a tensor of `shape` (`check_shape` must pass)."""
-        gran, axis, block = self.layout()
-        shape = tuple(shape)
-        if gran is Granularity.TENSORWISE:
-            return ()
-        if gran is Granularity.ROWWISE:
-            axis %= len(shape)
-            return shape[:axis] + (1,) + shape[axis + 1 :]
-        if gran is Granularity.BLOCKWISE_1D:
-            return shape[:-1] + (shape[-1] // block,)
-        return shape[:-2] + (shape[-2] // block, shape[-1] // block)
+        return geometry.scale_shape(shape, self.layout())
 
     def flat_columnwise_scale(self) -> bool:
         """True when a columnwise usage stores its scales flat (1-D blocks: MX, NVFP4 1x16, FP8 1x128).
@@ -219,18 +223,44 @@ class Quantizer(OpaqueBase):
         return (math.prod(shape),) if self.flat_columnwise_scale() else shape
 
     def payload_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """Shape of the payload of a tensor of `shape` (packed formats: the last dim in bytes)."""
         shape = tuple(shape)
-        per_byte = self.element_format().elements_per_byte
-        return shape if per_byte == 1 else shape[:-1] + (shape[-1] // per_byte,)
+        fmt = self.element_format()
+        if fmt.pack_elements == 1:
+            return shape
+        return shape[:-1] + (shape[-1] // fmt.pack_elements * fmt.pack_bytes,)
 
     def logical_shape(self, payload_shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """Shape of the tensor a payload of `payload_shape` holds (inverse of `payload_shape`)."""
         shape = tuple(payload_shape)
-        per_byte = self.element_format().elements_per_byte
-        return shape if per_byte == 1 else shape[:-1] + (shape[-1] * per_byte,)
+        fmt = self.element_format()
+        if fmt.pack_elements == 1:
+            return shape
+        return shape[:-1] + (shape[-1] // fmt.pack_bytes * fmt.pack_elements,)
+
+    # --- reference numerics (each family writes them; tqcompile.kernels.reference runs them) --
+    def reference_transform(self, xf: torch.Tensor) -> torch.Tensor:
+        """The contiguous fp32 `xf` as the element format sees it (a transform along the last dim,
+        such as NVFP4's Hadamard; the identity by default). Amaxes are taken after it."""
+        return xf
+
+    def reference_quantize(
+        self, xf: torch.Tensor, amax: torch.Tensor | None, seed: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, scale_inv) of the transformed fp32 `xf`: the family's definition of its
+        numerics in plain torch (`tqcompile.kernels.reference.quantize` states the conventions)."""
+        raise TypeError(f"no reference kernel for quantizer type {type(self).__name__}")
+
+    def reference_dequantize(
+        self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None, shape: torch.Size
+    ) -> torch.Tensor:
+        """The fp32 values of a payload of logical `shape` (before `reference.dequantize` saturates
+        them into the output dtype)."""
+        raise TypeError(f"no reference kernel for quantizer type {type(self).__name__}")
 
     def _check_epsilon(self, max_value: float) -> None:
         eps = self.amax_epsilon
-        if not (isinstance(eps, float) and math.isfinite(eps) and eps > 0 and max_value / eps < _FP32_MAX):
+        if not (isinstance(eps, float) and math.isfinite(eps) and eps > 0 and max_value / eps < FP32_MAX):
             raise _bad(
                 type(self).__name__,
                 "amax_epsilon",
@@ -283,140 +313,5 @@ class Quantizer(OpaqueBase):
                 raise _bad(type(self).__name__, f, getattr(self, f), "True or False")
 
 
-@dataclasses.dataclass(frozen=True, slots=True, repr=False)
-class Float8Quantizer(Quantizer):
-    """FP8 (E4M3 or E5M2) with fp32 scales: ``scale = fmt_max / max(amax, amax_epsilon)``.
-
-    Granularity TENSORWISE (default), ROWWISE (one scale per slice along `axis`), BLOCKWISE_1D
-    (1 x `block_size`, DeepSeek-V3 activations) or BLOCKWISE_2D (`block_size` x `block_size`,
-    DeepSeek-V3 weights). `power_of_two_scale` rounds each scale down to a power of two.
-    Fields the granularity does not use are reset to their defaults (`axis` unless ROWWISE,
-    `block_size` unless blockwise), so quantizers that give the same result compare equal.
-
-    Example:
-        >>> Float8Quantizer(granularity=Granularity.BLOCKWISE_1D, power_of_two_scale=True)
-    """
-
-    format: Format = Format.E4M3
-    granularity: Granularity = Granularity.TENSORWISE
-    axis: int = -1
-    block_size: int = 128
-    power_of_two_scale: bool = False
-    amax_epsilon: float = 1e-12
-
-    def __post_init__(self) -> None:
-        self._check_layout((Format.E4M3, Format.E5M2), tuple(Granularity))
-        self._check_bool("power_of_two_scale")
-        self._check_epsilon(self.format.max_value)
-        self._canonicalize_layout()
-
-    def element_format(self) -> Format:
-        return self.format
-
-    def layout(self) -> tuple[Granularity, int, int]:
-        return self.granularity, self.axis, self.block_size
-
-
-@dataclasses.dataclass(frozen=True, slots=True, repr=False)
-class MXQuantizer(Quantizer):
-    """OCP MX: 32-element blocks along the last dim sharing one E8M0 (power-of-two) scale.
-
-    `format` E4M3 or E5M2 gives MXFP8, E2M1 gives MXFP4. `scale_rounding` names the rule that
-    picks the block exponent (`ScaleRounding.FLOOR`, the OCP v1.0 rule, or `RCEIL`).
-    """
-
-    format: Format = Format.E4M3
-    scale_rounding: ScaleRounding = ScaleRounding.FLOOR
-
-    BLOCK: ClassVar[int] = 32
-
-    def __post_init__(self) -> None:
-        self._check_enum("format", (Format.E4M3, Format.E5M2, Format.E2M1))
-        self._check_enum("scale_rounding", tuple(ScaleRounding))
-
-    def element_format(self) -> Format:
-        return self.format
-
-    def layout(self) -> tuple[Granularity, int, int]:
-        return Granularity.BLOCKWISE_1D, -1, self.BLOCK
-
-    def scale_dtype(self) -> torch.dtype:
-        return torch.float8_e8m0fnu
-
-
-@dataclasses.dataclass(frozen=True, slots=True, repr=False)
-class NVFP4Quantizer(Quantizer):
-    """NVFP4: E2M1 elements in 16-element blocks (or 16x16 tiles with `block_2d`, for weights)
-    with E4M3 block scales under an fp32 tensor-level scale ``s_enc = 448 * 6 / amax``.
-
-    `stochastic_rounding` rounds elements up with probability equal to their distance from the
-    lower neighbour (seeded: pass `seed=` to `tq.quantize`). `hadamard` multiplies each
-    16-element block of the last dim by a 16x16 Hadamard matrix / 4 with a sign vector drawn
-    from `hadamard_seed`; both operands of a GEMM must use it, so it cancels in the product.
-    Without `hadamard`, `hadamard_seed` is reset to 0 (it cannot change the result).
-    """
-
-    block_2d: bool = False
-    stochastic_rounding: bool = False
-    hadamard: bool = False
-    hadamard_seed: int = 0
-    amax_epsilon: float = 1e-12
-
-    BLOCK: ClassVar[int] = 16
-
-    def __post_init__(self) -> None:
-        self._check_bool("block_2d", "stochastic_rounding", "hadamard")
-        self._check_int("hadamard_seed", 0)
-        self._check_epsilon(Format.E4M3.max_value * Format.E2M1.max_value)
-        if not self.hadamard:
-            self._canonicalize("hadamard_seed")
-
-    def element_format(self) -> Format:
-        return Format.E2M1
-
-    def layout(self) -> tuple[Granularity, int, int]:
-        return (Granularity.BLOCKWISE_2D if self.block_2d else Granularity.BLOCKWISE_1D), -1, self.BLOCK
-
-    def uses_tensor_amax(self) -> bool:
-        return True
-
-    def scale_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
-
-    def needs_seed(self) -> bool:
-        return self.stochastic_rounding
-
-    def hadamard_transformed(self) -> bool:
-        return self.hadamard
-
-
-@dataclasses.dataclass(frozen=True, slots=True, repr=False)
-class IntQuantizer(Quantizer):
-    """Symmetric INT8 / INT4: ``scale = qmax / max(amax, amax_epsilon)``, round half to even.
-
-    Granularity TENSORWISE (default), ROWWISE (per channel: one scale per slice along `axis`;
-    for an (out, in) weight the default axis=-1 gives one scale per output channel) or
-    BLOCKWISE_1D (`block_size` elements of the last dim). INT4 is stored two to a byte.
-    Fields the granularity does not use are reset to their defaults, as in `Float8Quantizer`.
-    """
-
-    format: Format = Format.INT8
-    granularity: Granularity = Granularity.TENSORWISE
-    axis: int = -1
-    block_size: int = 128
-    amax_epsilon: float = 1e-12
-
-    def __post_init__(self) -> None:
-        self._check_layout((Format.INT8, Format.INT4), (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE_1D))
-        self._check_epsilon(self.format.max_value)
-        self._canonicalize_layout()
-
-    def element_format(self) -> Format:
-        return self.format
-
-    def layout(self) -> tuple[Granularity, int, int]:
-        return self.granularity, self.axis, self.block_size
-
-
-for _cls in (Quantizer, Float8Quantizer, MXQuantizer, NVFP4Quantizer, IntQuantizer):
-    register_value_type(_cls)
+Quantizer.__module__ = PUBLIC_MODULE
+register_value_type(Quantizer)
