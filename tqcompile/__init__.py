@@ -43,7 +43,6 @@ __all__ = [
     "IntQuantizer",
     "QuantizedTensor",
     "quantize",
-    "SUPPORTED_DTYPES",
     "Recipe",
     "recipes",
     "nn",

@@ -17,8 +17,6 @@ from tqcompile.calibration.views import weight_only
 
 __all__ = [
     "calibrate",
-    "prepare",
-    "ALGORITHMS",
     "GPTQ",
     "AWQ",
     "SmoothQuant",
@@ -28,15 +26,8 @@ __all__ = [
     "ConfigError",
     "register_module_type",
     "fake_quantize",
-    "fake_quantize_grouped",
-    "TensorQuantizer",
-    "FakeQuantModule",
-    "ExpertGemmQuantizers",
     "quant_state",
     "restore",
-    "reattach",
     "summary",
-    "QuantSummary",
-    "SummaryRow",
     "weight_only",
 ]

@@ -28,26 +28,3 @@ from tqcompile.demo.training import (
     train,
 )
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "quantize_model",
-    "is_quantized_layer",
-    "parallelize",
-    "parallelize_gpt",
-    "BASELINE",
-    "DEFAULT_RECIPES",
-    "DemoConfig",
-    "RunResult",
-    "load_corpus",
-    "batch_offsets",
-    "final_window",
-    "train",
-    "run_demo",
-    "format_table",
-    "format_sharded_table",
-    "save_results",
-    "load_results",
-    "ema",
-    "plot_losses",
-]

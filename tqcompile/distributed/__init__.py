@@ -23,16 +23,10 @@ from tqcompile.distributed.tensor_parallel import (  # noqa: F401  (listed in __
 from tqcompile.groups import all_reduce_amax, group_name_of, resolve_group
 
 __all__ = [
-    "all_reduce_amax",
-    "group_name_of",
-    "resolve_group",
-    "QuantizedWeight",
     "QuantizedAllGatherWarning",
     "enable_quantized_all_gather",
     "expert_parallel",
-    "ExpertParallelDispatch",
     "precompute_scales",
-    "quantized_all_gather_reason",
     "recompute_in_backward",
     "checkpoint",
     *tensor_parallel.__all__,  # ColwiseParallel, RowwiseParallel, ... (imported above)

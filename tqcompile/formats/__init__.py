@@ -12,4 +12,4 @@ from tqcompile.formats import floats, ints, scales  # noqa: F401  (importing the
 from tqcompile.formats.floats import E2M1_VALUES
 from tqcompile.formats.format import Format
 
-__all__ = ["Format", "E2M1_VALUES"]
+__all__ = ["Format"]

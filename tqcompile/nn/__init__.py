@@ -10,13 +10,7 @@ from tqcompile.nn.quantized_linear import Linear
 __all__ = [
     "Linear",
     "GroupedLinear",
-    "linear",
-    "grouped_linear",
-    "qgemm",
-    "QuantizedModule",
-    "is_converted",
     "conversion_plan",
     "register_converter",
     "ConversionWarning",
-    "PlannedConversion",
 ]

@@ -17,17 +17,6 @@ from tqcompile.ops.grouped_gemm import (
 __all__ = [
     "amax",
     "quantize",
-    "quantize_columnwise",
     "dequantize",
     "gemm_tn",
-    "amax_history_update",
-    "grouped_amax",
-    "grouped_quantize",
-    "grouped_gemm_tn",
-    "grouped_mm_wgrad",
-    "grouped_dequantize",
-    "grouped_mm",
-    "raise_error",
-    "static_shape",
-    "shape_str",
 ]

@@ -20,4 +20,3 @@ See docs/surgery.md.
 from tqcompile.surgery.names import canonical_modules, unwrap
 from tqcompile.surgery.specs import LayerSpec, OperandSpec, layer_specs
 
-__all__ = ["unwrap", "canonical_modules", "layer_specs", "LayerSpec", "OperandSpec"]

@@ -28,16 +28,10 @@ __all__ = [
     "error_bound",
     "assert_error_within",
     "CompileCounter",
-    "AotGraphRecorder",
     "assert_no_graph_breaks",
     "assert_bitwise_equal",
-    "graph_code",
     "count_collective_bytes",
-    "CollectiveBytes",
-    "run_ranks",
     "spawn",
-    "run_checks",
-    "CheckFailed",
     "strategies",
 ]
 

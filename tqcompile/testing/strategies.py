@@ -44,21 +44,14 @@ from tqcompile.quantizers import (
 )
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZES",
-    "DEFAULT_AXES",
-    "INPUT_DTYPES",
-    "amax_epsilons",
     "float8_quantizers",
     "mx_quantizers",
     "nvfp4_quantizers",
     "int_quantizers",
     "quantizers",
-    "supports_columnwise",
     "shapes_for",
-    "largest_magnitude",
     "special_values_for",
     "float_tensors",
-    "seeds",
     "quantizer_inputs",
 ]
 
