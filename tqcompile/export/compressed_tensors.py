@@ -53,11 +53,6 @@ __all__ = [
     "weight_scheme",
     "input_scheme",
     "weight_tensors",
-    "scheme_of",
-    "layer_tensors",
-    "quantization_config",
-    "extra_files",
-    "check_targets",
 ]
 
 
@@ -480,7 +475,7 @@ class CompressedTensors(CheckpointFormat):
 
 COMPRESSED_TENSORS = register_format(CompressedTensors())
 
-# The module's functions before the format was a class, kept for callers of this module.
+# The module's functions before the format was a class (importable as before, no longer advertised).
 scheme_of = COMPRESSED_TENSORS.scheme_of
 layer_tensors = COMPRESSED_TENSORS.layer_tensors
 quantization_config = COMPRESSED_TENSORS.quantization_config

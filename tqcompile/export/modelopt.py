@@ -48,11 +48,6 @@ __all__ = [
     "Scheme",
     "form_of",
     "PRODUCER",
-    "scheme_of",
-    "layer_tensors",
-    "quantization_config",
-    "extra_files",
-    "check_targets",
 ]
 
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the ModelOpt release whose format this writes
@@ -205,7 +200,7 @@ class ModelOpt(CheckpointFormat):
 
 MODELOPT = register_format(ModelOpt())
 
-# The module's functions before the format was a class, kept for callers of this module.
+# The module's functions before the format was a class (importable as before, no longer advertised).
 scheme_of = MODELOPT.scheme_of
 layer_tensors = MODELOPT.layer_tensors
 quantization_config = MODELOPT.quantization_config
