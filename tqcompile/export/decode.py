@@ -45,7 +45,7 @@ class DecodedLayer:
     input_amax: torch.Tensor | None
     inexact: int = 0
     beyond_qmax: int = 0  # integer codes outside tq's symmetric range (-128 / -8 written by other tools)
-    mx_rceil: bool = False  # MX blocks only RCEIL scales give (see `families._mx_rceil`)
+    mx_rceil: bool = False  # MX blocks only RCEIL scales give (`families.read_weight` of MX says why)
     pow2_scales: bool | None = None  # FP8 layers: every scale a power of two (None: not FP8)
 
 
