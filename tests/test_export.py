@@ -218,13 +218,11 @@ def test_bad_input(tmp_path):
 def _modelopt_dequant(t: dict, prefix: str, algo: str) -> torch.Tensor:
     """A ModelOpt layer dequantized the way its loaders define: ``q * weight_scale`` (NVFP4: times
     ``weight_scale_2``), block scales repeated over their blocks."""
-    from tqcompile.kernels.reference import _unpack_nibbles, e2m1_decode
-
     w, s = t[f"{prefix}.weight"], t[f"{prefix}.weight_scale"]
     if algo == "MXFP8":
         return w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, dim=-1)
     if algo == "NVFP4":
-        vals = e2m1_decode(_unpack_nibbles(w))
+        vals = Format.E2M1.codec.decode(Format.E2M1.codec.unpack(w))
         return vals * (s.float().repeat_interleave(16, dim=-1) * t[f"{prefix}.weight_scale_2"])
     if algo == "FP8_PB_WO":
         return w.float() * s.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)

@@ -1,8 +1,8 @@
 """Weights a serving engine fuses into one GEMM, and the one NVFP4 global amax they share.
 
-vLLM and TensorRT-LLM load q/k/v, gate/up (and the other families of `FUSED_SIBLINGS`) as one
-GEMM with one NVFP4 global scale for the fused weight, so a checkpoint holds one global scale for
-such siblings. tq gives them that one tensor amax, the max of theirs (a smaller one would saturate
+vLLM and TensorRT-LLM load q/k/v, gate/up (and the other families of `FUSED_SIBLINGS`: an engine
+fact, kept with the others in `tqcompile.engines`) as one GEMM with one NVFP4 global scale for the
+fused weight, so a checkpoint holds one global scale for such siblings. tq gives them that one tensor amax, the max of theirs (a smaller one would saturate
 the sibling holding the largest value), in the model's own calibrated state, so that the model's
 forward, QAT, `tq.quant_state` / `tq.restore` and `tq.export` all compute with the same one:
 
@@ -28,23 +28,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from tqcompile.engines import FUSED_SIBLINGS, fused_family  # FUSED_SIBLINGS re-exported: its home is tqcompile.engines
 from tqcompile.quantizers import NVFP4Quantizer, Quantizer
 
 __all__ = ["FUSED_SIBLINGS", "fused_nvfp4_groups", "shared_amax", "share_fused_weight_amax"]
 
 T = TypeVar("T")
-
-# Weights an engine fuses into one GEMM (vLLM's `packed_modules_mapping`: Llama-style, DeepSeek
-# MLA, BERT, torchtitan), by the leaf name of their modules under one parent.
-FUSED_SIBLINGS = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("w1", "w3"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-    ("query", "key", "value"),
-    ("wq", "wk", "wv"),
-)
 
 
 def fused_nvfp4_groups(items: Iterable[tuple[str, T]], quantizer_of: Callable[[T], Quantizer | None]) -> list[list[tuple[str, T]]]:
@@ -54,7 +43,7 @@ def fused_nvfp4_groups(items: Iterable[tuple[str, T]], quantizer_of: Callable[[T
     families: dict[tuple[str, tuple[str, ...]], list[tuple[str, T]]] = {}
     for name, item in items:
         parent, _, leaf = name.rpartition(".")
-        family = next((f for f in FUSED_SIBLINGS if leaf in f), None)
+        family = fused_family(leaf)
         if family is not None and isinstance(quantizer_of(item), NVFP4Quantizer):
             families.setdefault((parent, family), []).append((name, item))
     return [group for group in families.values() if len(group) > 1]

@@ -2,6 +2,11 @@
 SGLang, TensorRT-LLM and transformers load, and `tq.load_exported` reads them back as calibrated
 models (see docs/serving.md).
 
+A checkpoint format is a class (`checkpoint_format.CheckpointFormat`) that owns writing and reading
+its scheme; `FORMATS` maps `tq.export`'s ``format=`` names to the registered instances
+(`compressed_tensors.CompressedTensors`, `modelopt.ModelOpt`). docs/adding_a_checkpoint_format.md
+says how to add one.
+
 This package is also the export itself: ``tq.export(model, path, ...)`` calls
 `tqcompile.export.export` (the function; `tqcompile.export.writer` holds it). So
 ``import tqcompile.export`` and ``tq.export`` are one object, the package, and neither hides the
@@ -12,6 +17,10 @@ import inspect
 import sys
 import types
 
+# isort: off
+# Importing a format registers it; this order is the one `FORMATS` and the loader's messages list them in.
+from tqcompile.export import compressed_tensors, modelopt  # noqa: F401
+# isort: on
 from tqcompile.export.load import load_exported
 from tqcompile.export.units import ExportError
 from tqcompile.export.writer import FORMATS, ExportReport, ExportRow, ExportWarning, export

@@ -16,8 +16,9 @@ export. The rules, in the order an export meets them:
   renames, the previous checkpoint is untouched, so a failure while writing (a full disk, an
   exception, a killed process) leaves it loadable; the renames of a few files take milliseconds.
 - **Only the previous checkpoint goes.** With ``overwrite=True`` the files removed are those the
-  previous checkpoint consists of — ``model.safetensors``, the index and the shards it names,
-  ModelOpt's ``hf_quant_config.json`` — and only once the new ones are in place; other files stay.
+  previous checkpoint consists of — ``model.safetensors``, the index and the shards it names, a
+  format's own config file (ModelOpt's ``hf_quant_config.json``) — and only once the new ones are in
+  place; other files stay.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ __all__ = ["Destination", "LOCK_NAME", "STAGE_PREFIX", "INDEX_NAME", "SINGLE_NAM
 LOCK_NAME = ".tq-export.lock"
 STAGE_PREFIX = ".tq-export-"  # staging directories (and, before they existed, spool files) of an export
 SINGLE_NAME = "model.safetensors"
-_MODELOPT_CONFIG = "hf_quant_config.json"
 
 
 def fsync_file(path: str) -> None:
@@ -124,10 +124,11 @@ def _read_holder(fd: int) -> str:
     return f"process {info['pid']} on {info.get('host', '?')}, since {since}"
 
 
-def previous_checkpoint(directory: str) -> set[str]:
+def previous_checkpoint(directory: str, format_files: tuple[str, ...] = ()) -> set[str]:
     """The files of the checkpoint in `directory`: the single file, the index and the shards it
-    names, ModelOpt's config. (config.json and generation_config.json are replaced by name.)"""
-    names = {n for n in (SINGLE_NAME, INDEX_NAME, _MODELOPT_CONFIG) if os.path.isfile(os.path.join(directory, n))}
+    names, and the `format_files` (the checkpoint formats' own config files, such as ModelOpt's
+    hf_quant_config.json). (config.json and generation_config.json are replaced by name.)"""
+    names = {n for n in (SINGLE_NAME, INDEX_NAME, *format_files) if os.path.isfile(os.path.join(directory, n))}
     if INDEX_NAME in names:
         try:
             with open(os.path.join(directory, INDEX_NAME)) as f:
@@ -142,9 +143,10 @@ class Destination:
     """The directory an export writes to, locked for this process from construction to `close`.
 
     `stage` is the private directory the new checkpoint's files are written in; `commit(names)`
-    moves them into place and removes what is left of the previous checkpoint."""
+    moves them into place and removes what is left of the previous checkpoint (`format_files`:
+    the config files of its own that a checkpoint format writes, see `previous_checkpoint`)."""
 
-    def __init__(self, path: str, overwrite: bool):
+    def __init__(self, path: str, overwrite: bool, format_files: tuple[str, ...] = ()):
         if os.path.isfile(path):
             raise ExportError(f"tq.export: path {path!r} is a file; pass a directory (it is created if missing)")
         try:
@@ -164,7 +166,7 @@ class Destination:
                     f"tq.export: directory {path!r} exists and is not empty ({len(others)} entries); "
                     "pass an empty or new directory, or overwrite=True to replace its checkpoint files"
                 )
-            self.previous = previous_checkpoint(path)
+            self.previous = previous_checkpoint(path, format_files)
             self.stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=path)
         except BaseException:
             self.close()

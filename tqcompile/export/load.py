@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 
 import torch
@@ -30,25 +29,17 @@ from tqcompile.calibration.fake_quant import static_amax_kind
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers, kind_of, module_device, quant_units
 from tqcompile.calibration.pipeline import CalibrationWarning, prepare
-from tqcompile.export.decode import (
-    DecodedLayer,
-    LayerScheme,
-    check_layer,
-    ct_scheme,
-    decode_layer,
-    modelopt_scheme,
-    with_scale_rules,
-)
+from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format_for_method, known_layer_tensors
+from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.names import Placement, placements
+from tqcompile.export.safetensors_io import dtype_name
 from tqcompile.export.units import ExportError
 from tqcompile.nn.base import is_converted
 from tqcompile.quantizers import Granularity
 from tqcompile.surgery.names import canonical_modules
 
 __all__ = ["load_exported"]
-
-_METHODS = ("compressed-tensors", "modelopt")
 
 
 def _read_json(path: str) -> dict | None:
@@ -64,70 +55,32 @@ def _read_json(path: str) -> dict | None:
     return content
 
 
-def _quantization_config(path: str) -> tuple[dict, dict]:
-    """(config.json, its quantization_config); ModelOpt's hf_quant_config.json stands in for a
-    config.json that has none."""
+def _quantization_config(path: str) -> tuple[dict, dict, CheckpointFormat]:
+    """(config.json, its quantization_config, the checkpoint's format); a format's own config
+    file (ModelOpt's hf_quant_config.json) stands in for a config.json that has none."""
     config = _read_json(os.path.join(path, "config.json"))
     if config is None:
         raise ExportError(f"tq.load_exported: {path!r} has no config.json; pass a directory tq.export or save_pretrained wrote")
     qc = config.get("quantization_config")
-    if qc is None:
-        hf = _read_json(os.path.join(path, "hf_quant_config.json"))
-        qc = None if hf is None else {"quant_method": "modelopt", **hf}
+    for fmt in FORMATS.values():
+        if qc is None and fmt.CONFIG_FILE is not None:
+            own = _read_json(os.path.join(path, fmt.CONFIG_FILE))
+            qc = None if own is None else {"quant_method": fmt.QUANT_METHOD, **own}
     if qc is None:
         raise ExportError(
-            f"tq.load_exported: {path!r}'s config.json has no quantization_config (and there is no hf_quant_config.json): "
+            f"tq.load_exported: {path!r}'s config.json has no quantization_config (and there is no "
+            f"{' or '.join(f.CONFIG_FILE for f in FORMATS.values() if f.CONFIG_FILE)}): "
             "it is not a quantized checkpoint; load a float model with from_pretrained and tq.calibrate it"
         )
     if not isinstance(qc, dict):
         raise ExportError(f"tq.load_exported: {path!r}'s quantization_config is a {type(qc).__name__}, not an object")
-    groups = qc.get("config_groups")
-    if groups is not None and not (isinstance(groups, dict) and all(isinstance(g, dict) for g in groups.values())):
-        raise ExportError(f"tq.load_exported: {path!r}'s quantization_config.config_groups is not an object of config groups")
     method = qc.get("quant_method")
-    if method not in _METHODS:
-        raise ExportError(f"tq.load_exported: quant_method={method!r} is not allowed; allowed: {', '.join(map(repr, _METHODS))}")
-    if method == "compressed-tensors" and qc.get("kv_cache_scheme"):
-        raise ExportError("tq.load_exported: the checkpoint quantizes the KV cache (kv_cache_scheme); tq loads weight and input quantization only")
-    return config, qc
-
-
-def _matches(target: str, prefix: str, model: nn.Module) -> int:
-    """How well a compressed-tensors target names the layer `prefix`: 3 by exact name, 2 by a
-    "re:" regex, 1 by class name ("Linear": every layer the engines quantize), 0 not at all."""
-    if target == prefix:
-        return 3
-    if target.startswith("re:"):
-        return 2 if re.match(target[3:], prefix) else 0
-    if target == "Linear":
-        return 1
-    try:
-        module = model.get_submodule(prefix)
-    except AttributeError:
-        return 0
-    return 1 if any(c.__name__ == target for c in type(module).__mro__) else 0
-
-
-def _scheme_resolver(qc: dict, model: nn.Module):
-    """prefix -> LayerScheme, per the checkpoint's config (one ModelOpt algo; compressed-tensors:
-    the config group whose targets name the layer best)."""
-    if qc["quant_method"] == "modelopt":
-        algo = (qc.get("quantization") or qc).get("quant_algo")
-        scheme = modelopt_scheme(algo)
-        return lambda prefix: scheme
-    groups = qc.get("config_groups") or {}
-    cache: dict[str, LayerScheme] = {}
-
-    def resolve(prefix: str) -> LayerScheme:
-        ranked = [(max((_matches(t, prefix, model) for t in g.get("targets", ())), default=0), name) for name, g in groups.items()]
-        best = max(ranked, default=(0, None))
-        if best[0] == 0:
-            raise ExportError(f"tq.load_exported: layer {prefix!r} holds quantized tensors but no config group targets it")
-        if best[1] not in cache:
-            cache[best[1]] = ct_scheme(groups[best[1]], prefix, best[1], qc.get("format"))
-        return cache[best[1]]
-
-    return resolve
+    fmt = format_for_method(method)
+    if fmt is None:
+        allowed = ", ".join(repr(f.QUANT_METHOD) for f in FORMATS.values())
+        raise ExportError(f"tq.load_exported: quant_method={method!r} is not allowed; allowed: {allowed}")
+    fmt.check_config(qc, path)
+    return config, qc, fmt
 
 
 def _build_model(path: str, config: dict, dtype: torch.dtype) -> nn.Module:
@@ -242,17 +195,16 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
         >>> model.train(); loss = model(ids, labels=ids).loss  # QAT continues from it
     """
     ckpt = CheckpointFiles(path)  # a missing directory, shard or index is named first
-    config, qc = _quantization_config(path)
+    config, qc, fmt = _quantization_config(path)
     if model is None:
         model = _build_model(path, config, dtype)
     _check_float(model)
-    resolve = _scheme_resolver(qc, model)
-    modelopt = qc["quant_method"] == "modelopt"
+    resolve = fmt.scheme_resolver(qc, model)
     quantized = set(ckpt.layer_prefixes())
     state = _untied_state(model)
     where = placements(model, {k: v.shape for k, v in state.items()})
     units_by_key = _unit_by_weight_key(model)
-    checked = _precheck(model, ckpt, state, where, quantized, units_by_key, resolve, modelopt)
+    checked = _precheck(model, ckpt, state, where, quantized, units_by_key, resolve, fmt)
     # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
     # in place (memory holds the model and one layer, not a second copy of the model).
     units: list[tuple[nn.Module, _Unit]] = []
@@ -266,7 +218,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
                 continue
             name, unit_module = units_by_key[key]
             dst = torch.empty(value.shape, dtype=torch.float32)
-            units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, checked, modelopt, dst, mismatch, notes, counts)))
+            units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, counts)))
             target.copy_(dst)
     if mismatch:
         raise ExportError(_mismatch_message(model, [], [], mismatch))
@@ -283,24 +235,17 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     return model
 
 
-# The tensors a checkpoint layer may hold (compressed-tensors' and ModelOpt's names); any other
-# tensor under a layer's name is one tq would drop, so it is reported instead.
-_LAYER_TENSORS = (
-    "weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
-    "weight_global_scale", "weight_scale_2", "input_scale", "input_global_scale",
-)
-
-
-def _layer_shape(ckpt: CheckpointFiles, prefix: str) -> tuple[int, ...] | None:
+def _layer_shape(ckpt: CheckpointFiles, prefix: str, scheme: LayerScheme) -> tuple[int, ...] | None:
     """A quantized layer's (out, in), from its headers (and its small weight_shape tensor)."""
     if f"{prefix}.weight_shape" in ckpt.entries:
         return tuple(int(v) for v in ckpt.get(f"{prefix}.weight_shape"))
     entry = ckpt.entries.get(f"{prefix}.weight_packed") or ckpt.entries.get(f"{prefix}.weight")
     if entry is None:
         return None
-    shape = list(entry[1]["shape"])
-    if entry[1]["dtype"] == "U8" and shape:  # two 4-bit elements a byte (NVFP4, MXFP4)
-        shape[-1] *= 2
+    shape = tuple(entry[1]["shape"])
+    q = scheme.weight_q
+    if entry[1]["dtype"] == dtype_name(torch.uint8) and shape and q.element_format().pack_elements > 1:
+        shape = q.logical_shape(shape)  # packed by bit width: two 4-bit elements a byte (NVFP4, MXFP4)
     return tuple(shape)
 
 
@@ -309,7 +254,7 @@ def _slot_shape(shape: torch.Size, p: Placement, experts: bool) -> tuple[int, ..
     return (p.rows.numel(), *s[1:]) if p.rows is not None and s else s
 
 
-def _precheck(model, ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, modelopt: bool) -> dict:
+def _precheck(model, ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, fmt) -> dict:
     """Names and shapes against the checkpoint's headers, then every tensor (`_check_layers`),
     before any tensor is written into the model: a checkpoint of another architecture, or a
     corrupt one, changes nothing. Returns each quantized layer's scheme."""
@@ -326,9 +271,9 @@ def _precheck(model, ckpt: CheckpointFiles, state: dict, where: dict, quantized:
         for p in ps:
             if q_ps:
                 prefix = _prefix(p.name)
-                resolve(prefix)  # a scheme tq cannot express raises here, naming the layer
-                known.update(f"{prefix}.{t}" for t in _LAYER_TENSORS)
-                got = _layer_shape(ckpt, prefix)
+                scheme = resolve(prefix)  # a scheme tq cannot express raises here, naming the layer
+                known.update(f"{prefix}.{t}" for t in known_layer_tensors())
+                got = _layer_shape(ckpt, prefix, scheme)
             elif p.name in ckpt.entries:
                 known.add(p.name)
                 got = tuple(ckpt.entries[p.name][1]["shape"])
@@ -342,10 +287,10 @@ def _precheck(model, ckpt: CheckpointFiles, state: dict, where: dict, quantized:
     unused = sorted(set(ckpt.entries) - known)
     if missing or unused or mismatch:
         raise ExportError(_mismatch_message(model, missing, unused, mismatch))
-    return _check_layers(ckpt, state, where, quantized, units_by_key, resolve, modelopt)
+    return _check_layers(ckpt, state, where, quantized, units_by_key, resolve, fmt)
 
 
-def _check_layers(ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, modelopt: bool) -> dict:
+def _check_layers(ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, fmt) -> dict:
     """Every tensor's dtype and every quantized layer's tensors and scales (`decode.check_layer`),
     and that the checkpoint layers of one model GEMM are quantized alike: whatever a checkpoint
     can get wrong is found here, before the first tensor is copied into the model. Returns each
@@ -369,7 +314,7 @@ def _check_layers(ckpt: CheckpointFiles, state: dict, where: dict, quantized: se
             if experts and p.expert is None:
                 raise ExportError(f"tq.load_exported: layer {prefix!r} holds all experts in one tensor; tq loads per-expert layers")
             scheme = check_layer(prefix, resolve(prefix), lambda local, pre=prefix: ckpt.entry(f"{pre}.{local}"),
-                                 lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), modelopt)
+                                 lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), fmt)
             checked[prefix] = scheme
             wq = scheme.weight_q
             if first is None:
@@ -408,12 +353,12 @@ def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load_unit(name, unit_module, ps, ckpt, checked, modelopt, dst, mismatch, notes, counts) -> _Unit:
+def _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, counts) -> _Unit:
     experts = isinstance(unit_module, ExpertGemmQuantizers) or kind_of(unit_module)[0] == "GroupedLinear"
     layers: list[tuple[Placement, DecodedLayer]] = []
     for p in ps:
         prefix = _prefix(p.name)
-        layer = decode_layer(prefix, checked[prefix], lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), modelopt)
+        layer = decode_layer(prefix, checked[prefix], lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), fmt)
         layers.append((p, layer))
         counts["inexact"] += layer.inexact
         counts["beyond"] += layer.beyond_qmax

@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-__all__ = ["ShardedWriter", "parse_size", "read_safetensors_header", "load_tensor", "INDEX_NAME"]
+__all__ = ["ShardedWriter", "parse_size", "read_safetensors_header", "load_tensor", "dtype_name", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -35,6 +35,13 @@ _DTYPES = {
     torch.bool: "BOOL",
 }
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The safetensors name of a torch dtype ("F8_E4M3" for float8_e4m3fn), or None if it has none."""
+    return _DTYPES.get(dtype)
+
+
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from tqcompile.api import quantize
 from tqcompile.ops import amax as tensor_amax
-from tqcompile.quantizers import NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Quantizer
 from tqcompile.surgery.specs import LayerSpec, layer_specs
 
 __all__ = ["ExportError", "ExportUnit", "QuantizedWeight", "collect_units", "quantize_unit", "full_tensor"]
@@ -129,7 +129,7 @@ def _recipe_unit(spec: LayerSpec) -> ExportUnit:
             "linear layers and MoE experts quantized; leave it out of the conversion (tq.convert's filter_fn)"
         )
     iq, src = spec.input.quantizer, spec.source
-    if isinstance(iq, NVFP4Quantizer):
+    if iq.has_global_scale():
         # An NVFP4 activation's global scale is static in every serving format, and training
         # computed it from each input: without a calibrated amax, the weights export alone.
         iq, src = None, src + "; activations 16-bit: calibrate an NVFP4 input amax (tq.calibrate) for W4A4"
@@ -143,8 +143,9 @@ def collect_units(model: nn.Module) -> list[ExportUnit]:
 
 
 def _rne(q: Quantizer) -> Quantizer:
-    # An exported weight is rounded to nearest: a checkpoint holds one value per weight.
-    if isinstance(q, NVFP4Quantizer) and q.stochastic_rounding:
+    # An exported weight is rounded to nearest: a checkpoint holds one value per weight. (A family
+    # needs a seed for stochastic rounding only, which it names `stochastic_rounding`.)
+    if q.needs_seed():
         return dataclasses.replace(q, stochastic_rounding=False)
     return q
 
@@ -172,8 +173,8 @@ def quantize_unit(unit: ExportUnit, w: torch.Tensor, tensor_amax_override: torch
     unit_amax = None if (q.uses_tensor_amax() or unit.weight_amax is None) else unit.weight_amax
 
     def one(w2: torch.Tensor, t: torch.Tensor | None, u: torch.Tensor | None) -> tuple:
-        qt = quantize(w2, q, amax=t if t is not None else u)
-        return qt._data, qt._scale_inv
+        data, scale_inv, _ = quantize(w2, q, amax=t if t is not None else u).usage(columnwise=False)
+        return data, scale_inv
 
     if not unit.experts:
         data, scale_inv = one(w, tamax, unit_amax)

@@ -7,26 +7,24 @@ import dataclasses
 import json
 import os
 import re
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.calibration.fused import FUSED_SIBLINGS, fused_nvfp4_groups, shared_amax
-from tqcompile.export import compressed_tensors as ct
-from tqcompile.export import modelopt as mo
+from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat
+from tqcompile.export.checks import ExportWarning, check_experts, check_fused, check_scales, extra_targets, shared_global_amax
 from tqcompile.export.files import Destination
 from tqcompile.export.names import Placement, is_hf_model, placements
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
-from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit, weight_tensor_amax
+from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit
 from tqcompile.nn.histories import HISTORY_PREFIX
 from tqcompile.surgery.checks import check_not_meta
 from tqcompile.surgery.names import canonical_modules, unwrap
 
 __all__ = ["export", "ExportReport", "ExportRow", "ExportWarning", "FORMATS"]
 
-FORMATS = {"compressed-tensors": ct, "modelopt": mo}
+
 @dataclasses.dataclass(frozen=True)
 class ExportRow:
     """One exported layer: its name in the model, the scheme written and where its scales came from."""
@@ -87,12 +85,17 @@ def _same_path_everywhere(path: str) -> None:
         raise ExportError(str(e)) from e
 
 
+def _format_files() -> tuple[str, ...]:
+    """The config files of their own that the formats write: a previous checkpoint's is replaced."""
+    return tuple(f.CONFIG_FILE for f in FORMATS.values() if f.CONFIG_FILE is not None)
+
+
 def _open_on_rank0(path: str, overwrite: bool) -> Destination | None:
     """Rank 0 locks and checks `path` (`Destination`); every rank gets rank 0's refusal."""
     dest, refusal = None, [None]
     if dist.get_rank() == 0:
         try:
-            dest = Destination(path, overwrite)
+            dest = Destination(path, overwrite, _format_files())
         except ExportError as e:
             refusal[0] = str(e)
     dist.broadcast_object_list(refusal, src=0)
@@ -144,81 +147,6 @@ def _dcp_reader(checkpoint):
     return read
 
 
-class ExportWarning(UserWarning):
-    """Something an export writes that the format holds but an engine is known to refuse."""
-
-
-def _check_fused(model: nn.Module, schemes: dict) -> None:
-    """Warn where layers an engine fuses into one GEMM (q/k/v, gate/up) are not all quantized with
-    one scheme: vLLM refuses such a checkpoint ("different quantization schemes for the shards")."""
-    linears = {name for name, m in canonical_modules(model) if isinstance(m, nn.Linear)}
-    mixed = []
-    for name in sorted(linears):
-        parent, _, leaf = name.rpartition(".")
-        for fam in (f for f in FUSED_SIBLINGS if leaf == f[0]):
-            members = [m for m in (f"{parent}.{x}" if parent else x for x in fam) if m in linears]
-            if len(members) > 1 and len({schemes.get(m) for m in members}) > 1:
-                mixed.append(", ".join(f"{m}: {schemes[m].describe() if m in schemes else 'high precision'}" for m in members))
-                break
-    if mixed:
-        warnings.warn(
-            "tq.export: layers that vLLM and TensorRT-LLM fuse into one GEMM are quantized differently, which they refuse "
-            "to load (transformers loads it): " + "; ".join(mixed) + ". Quantize them alike (block sizes that fit all of "
-            "them) or keep them all in high precision.",
-            ExportWarning,
-            stacklevel=3,
-        )
-
-
-def _check_experts(model: nn.Module, schemes: dict) -> None:
-    """An experts module's GEMMs all quantized with one scheme, or all kept in high precision:
-    the engines run gate, up and down as one fused MoE with one scheme."""
-    from tqcompile.nn.experts import experts_layout
-
-    for name, module in canonical_modules(model):
-        layout = experts_layout(module)
-        if layout is None:
-            continue
-        units = [f"{name}.{g.weight}_gemm" for g in layout.gemms]
-        if len({schemes.get(u) for u in units}) > 1:
-            got = ", ".join(f"{u}: {schemes[u].describe() if u in schemes else 'high precision'}" for u in units)
-            raise ExportError(
-                f"tq.export: the GEMMs of experts module {name!r} are quantized differently ({got}); serving engines run "
-                "an MoE's experts with one scheme: quantize all of its GEMMs alike, or keep them all in high precision"
-            )
-
-
-def _extra_targets(model: nn.Module, units: list[ExportUnit]) -> list[str]:
-    """Quantized layers an engine builds as something other than a Linear: the LM head."""
-    return [u.name for u in units if u.name.rpartition(".")[2] == "lm_head"]
-
-
-def _shared_global_amax(units: list[ExportUnit], schemes: dict, state: dict, read) -> dict[str, torch.Tensor]:
-    """For NVFP4 weights an engine fuses (q/k/v, gate/up under one parent), their one tensor amax
-    by unit name (`tqcompile.calibration.fused`): one global scale for the fused GEMM. A calibrated
-    model already computes with it; a `tq.convert`ed one computed each weight's own in training."""
-    shared, differed = {}, []
-    for group in fused_nvfp4_groups([(u.name, u) for u in units], lambda u: None if u.experts else u.weight_q):
-        # A calibrated amax is the unit's own; only a weight quantized with its own amax is read.
-        amaxes = [weight_tensor_amax(u, None if u.weight_amax is not None else read(u.weight_key, state[u.weight_key])) for _, u in group]
-        top = shared_amax(amaxes)
-        if any(u.weight_amax is not None for _, u in group) and any(not torch.equal(a.reshape(()).to(top.device), top) for a in amaxes):
-            differed.append(", ".join(f"{name} {float(a):.6g}" for (name, _), a in zip(group, amaxes)))
-        shared.update({u.name: top for _, u in group})
-    if differed:
-        # Only amaxes set outside tq.calibrate / tq.restore / tq.load_exported (by hand, or loaded
-        # in place with torch.distributed.checkpoint from an older state) get here.
-        warnings.warn(
-            "tq.export: NVFP4 layers that engines fuse into one GEMM under one global scale hold different weight amaxes "
-            f"in the model ({'; '.join(differed)}); the checkpoint shares their max, so these layers are served with weights "
-            "that differ from the model's by up to a quantization step: restore the model with tq.restore (which shares them) "
-            "before exporting",
-            ExportWarning,
-            stacklevel=3,
-        )
-    return shared
-
-
 def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -> torch.Tensor:
     if kind == "shape":
         return t  # rebuilt for each placement by the caller
@@ -236,20 +164,6 @@ def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -
             f"align with its {b}x{b} scale blocks; use a quantizer with row or 1-D block scales for it"
         )
     return t[first // b : (first + n) // b]
-
-
-def _check_scales(unit: ExportUnit, tensors: dict) -> None:
-    """Every scale finite: an engine would serve NaN or Inf from a layer with one (a NaN amax from
-    an unrouted expert is the peers' known failure; tq.calibrate never makes one, a hand-set amax can)."""
-    for local, (t, _) in tensors.items():
-        if "scale" in local and t.is_floating_point():
-            bad = ~torch.isfinite(t.float())
-            if bool(bad.any()):
-                raise ExportError(
-                    f"tq.export: layer {unit.name!r} has {int(bad.sum())} non-finite {local} value(s) (from its amax "
-                    f"{'' if unit.weight_amax is None else 'or weight amax '}of the {unit.source} quantizers); "
-                    "recalibrate it (tq.calibrate) or set a finite amax"
-                )
 
 
 def _prefix(key: str) -> str:
@@ -327,8 +241,8 @@ def export(
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
-    fmt.check_targets(_extra_targets(model, units))
-    _check_fused(model, schemes)
+    fmt.check_targets(extra_targets(model, units))
+    check_fused(model, schemes)
     if collective not in (None, True, False):
         raise ValueError(f"tq.export: collective={collective!r} is not allowed; allowed: None (collective under torch.distributed), True, False")
     sharded = checkpoint is None and _sharded_device(model) is not None
@@ -360,7 +274,7 @@ def export(
 def _write(model, units, schemes, fmt, path, format, dtype, limit, overwrite, checkpoint) -> ExportReport:
     """The export in this one process: lock and check `path`, write the checkpoint beside the
     previous one, move it into place (`Destination`)."""
-    dest = Destination(path, overwrite)
+    dest = Destination(path, overwrite, _format_files())
     try:
         return _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, dest, checkpoint)
     finally:
@@ -380,8 +294,8 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
             raise ExportError(f"tq.export: cannot find the weights {lost} among the model's parameters")
         model = unwrap(model)
         where = placements(model, {k: v.shape for k, v in state.items()})
-        _check_experts(model, schemes)
-        shared = _shared_global_amax(units, schemes, state, read)
+        check_experts(model, schemes)
+        shared = shared_global_amax(units, schemes, state, read)
         by_key = {u.weight_key: u for u in units}
         writer = ShardedWriter(dest.stage, limit) if dest is not None else None
         run = _Pass(fmt, read, dtype, where, shared, schemes, writer, None if checkpoint is not None else _sharded_device(model))
@@ -393,7 +307,7 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
                 run.quantized_weight(key, value, unit)
             run.agree()
         ignored = _ignored(model, where, run.quantized, fmt.IGNORE_EXPERTS)
-        targets = _extra_targets(model, units)
+        targets = extra_targets(model, units)
 
         def finish() -> list[str]:
             shards = writer.finish()
@@ -419,7 +333,7 @@ class _Pass:
     rank. `agree` after each tensor makes a failure on the writing rank (a full disk) stop every
     rank at the same tensor, instead of leaving the others waiting in the next gather."""
 
-    fmt: object
+    fmt: CheckpointFormat
     read: object
     dtype: torch.dtype | None
     where: dict
@@ -450,7 +364,7 @@ class _Pass:
         w = self.read(key, value)
         scheme = self.schemes[unit.name]
         tensors = self.fmt.layer_tensors(unit, scheme, quantize_unit(unit, w, self.shared.get(unit.name)), w.shape[-2], w.shape[-1])
-        _check_scales(unit, tensors)  # the same tensors on every rank: every rank raises
+        check_scales(unit, tensors)  # the same tensors on every rank: every rank raises
         for p in self.where[key]:
             prefix = _prefix(p.name)
             self.quantized.add(prefix)
@@ -543,7 +457,7 @@ def _ignored(model: nn.Module, where: dict, quantized: set[str], experts_as: str
     return sorted(n for n in names if n not in quantized)
 
 
-def _write_configs(model: nn.Module, path: str, fmt, groups: dict, ignored: list[str], targets: list[str], dtype) -> None:
+def _write_configs(model: nn.Module, path: str, fmt: CheckpointFormat, groups: dict, ignored: list[str], targets: list[str], dtype) -> None:
     qconfig = fmt.quantization_config(groups, ignored, targets)
     for name, content in fmt.extra_files(groups, ignored).items():
         with open(os.path.join(path, name), "w") as f:

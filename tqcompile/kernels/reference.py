@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 
 from tqcompile.formats import Format
-from tqcompile.formats.codec import pack_codes, unpack_codes
 from tqcompile.quantizers import Quantizer, geometry
-from tqcompile.quantizers.nvfp4 import NVFP4_ENC, hadamard_matrix, nvfp4_tensor_scale, uniform_hash
+from tqcompile.quantizers.nvfp4 import hadamard_matrix, nvfp4_tensor_scale, uniform_hash
 from tqcompile.quantizers.scaling import finite_abs, saturate, scale_from_amax
 
 __all__ = [
@@ -47,19 +46,6 @@ __all__ = [
     "hadamard_matrix",
     "uniform_hash",
 ]
-
-# Older private names `tqcompile.export` still imports, until that package asks the formats itself.
-_scale_from_amax = scale_from_amax
-_NVFP4_ENC = NVFP4_ENC
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    return pack_codes(codes, 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return unpack_codes(packed, 4)
-
 
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> E2M1 code (uint8, sign in bit 3): nearest, ties to even mantissa, saturating at 6.

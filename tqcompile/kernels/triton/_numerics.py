@@ -87,7 +87,7 @@ def clamp_min(a, lo):
 
 @triton.jit
 def fp8_scales(amax, eps, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
-    """(scale, scale_inv) of `reference._scale_from_amax` and ``1.0 / scale``."""
+    """(scale, scale_inv) of `tqcompile.quantizers.scaling.scale_from_amax` and ``1.0 / scale``."""
     scale = rdiv_rn(FMT_MAX, clamp_min(amax, eps))
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
