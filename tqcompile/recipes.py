@@ -40,6 +40,7 @@ __all__ = [
     "mxfp8",
     "nvfp4",
     "fp8_delayed",
+    "mxfp6",
     "RECIPES",
     "get",
 ]
@@ -204,6 +205,15 @@ def nvfp4(stochastic_rounding: bool = True) -> Recipe:
     )
 
 
+def mxfp6() -> Recipe:
+    """OCP MXFP6 forward GEMM: E2M3 activations and weights in 32-blocks with E8M0 scales (RCEIL);
+    the gradient GEMMs (dgrad, wgrad) in MXFP8 E4M3 (RCEIL), whose wider exponent range gradients
+    need (docs/numerics/mxfp6.md)."""
+    fp6 = MXQuantizer(format=Format.E2M3, scale_rounding=ScaleRounding.RCEIL)
+    fp8 = MXQuantizer(format=Format.E4M3, scale_rounding=ScaleRounding.RCEIL)
+    return Recipe("mxfp6", fp6, fp6, fp8, fp8, fp8, fp8)
+
+
 def fp8_delayed(amax_history_len: int = 16) -> Recipe:
     """Delayed scaling: fp8_tensorwise with each scale taken from the max of the last
     `amax_history_len` amaxes, kept in module buffers and passed to the ops."""
@@ -223,7 +233,7 @@ class _Recipes(dict):
 
 
 RECIPES = _Recipes(
-    (f.__name__, f) for f in (fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, fp8_blockwise, mxfp8, nvfp4, fp8_delayed)
+    (f.__name__, f) for f in (fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, fp8_blockwise, mxfp8, nvfp4, fp8_delayed, mxfp6)
 )
 
 
