@@ -98,6 +98,10 @@ def test_gptq_mx_block_whose_max_shrank_stays_on_grid(fmt, rounding):
         assert torch.equal(fake_quantize(block, q), block), float(top)
 
 
+def _output_error(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> float:
+    return float(((x @ (w - q).T) ** 2).sum())
+
+
 @pytest.mark.parametrize("fmt", list(FP6))
 def test_gptq_beats_round_to_nearest(fmt):
     q, hows = tq.MXQuantizer(fmt), []
@@ -106,8 +110,7 @@ def test_gptq_beats_round_to_nearest(fmt):
         x = torch.randn(256, 8, generator=g) @ torch.randn(8, 64, generator=g) + 0.1 * torch.randn(256, 64, generator=g)
         w = torch.randn(48, 64, generator=g)
         rounded, amax, how = gptq_quantize(w, hessian(x), q)
-        err = lambda t: float(((x @ (w - t).T) ** 2).sum())  # noqa: E731
-        assert err(rounded) <= err(fake_quantize(w, q))
+        assert _output_error(x, w, rounded) <= _output_error(x, w, fake_quantize(w, q))
         assert torch.equal(fake_quantize(rounded, q), rounded) and amax is None  # MX scales come from the blocks
         hows.append(how)
     assert "gptq" in hows, hows
