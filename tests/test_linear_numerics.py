@@ -94,7 +94,7 @@ OPERANDS = {
     "fp8_blockwise": ((E4M3, E4M3), (E4M3, E4M3), (E4M3, E4M3)),
     "mxfp8": ((E4M3, E4M3), (E4M3, E4M3), (E4M3, E4M3)),
     "nvfp4": ((NVFP4_1D, NVFP4_2D), (NVFP4_1D_SR, NVFP4_2D), (NVFP4_1D_SR, NVFP4_1D)),
-    "mxfp6": ((MXFP6_E2M3, MXFP6_E2M3), (E4M3, E4M3), (E4M3, E4M3)),
+    "mxfp6": ((MXFP6_E2M3, MXFP6_E2M3), (E4M3, MXFP6_E2M3), (E4M3, E4M3)),
 }
 
 
