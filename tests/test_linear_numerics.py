@@ -30,6 +30,12 @@ Stochastic rounding of a value a fraction p along a gap g has error variance g²
 p that is g²/6, twice RNE's g²/12: −3.0 dB, 17.2 dB. The random Hadamard transform maps a Gaussian
 block to a Gaussian block: no change for these inputs.
 
+MXFP6's E2M3 (m = 3, but only 2 exponent bits) has E4M3's steps on its normal values and a
+subnormal grid of 1/8 below 1, which a Gaussian block reaches: with the block amax at its expected
+value for 32 elements (2.35σ), RCEIL's scale is 2^-1 (2.35 / 7.5 rounds up to 2^-1), so |x| < σ/2
+falls on the 1/16σ grid. Integrating gap²/12 over the Gaussian gives 30.9 dB (measured on a
+4096 x 4096 tensor: 30.95 dB), against 31.5 dB for the same block in E4M3.
+
 A GEMM output y = Σ_k a_k·b_k with independent relative errors on a and b: E[δy²] = K·(σ_δa²σ_b² +
 σ_a²σ_δb²), E[y²] = K·σ_a²σ_b², so the noise-to-signal ratios add, 1/SQNR_y = 1/SQNR_a + 1/SQNR_b
 (two E4M3 operands: 31.52 − 3.01 = 28.51 dB). K cancels. The result's own rounding adds one more
@@ -68,6 +74,7 @@ E5M2 = 6.02 * 2 + 10.79 + 2.67
 NVFP4_1D = 20.2
 NVFP4_2D = 18.9
 NVFP4_1D_SR = NVFP4_1D - 3.0
+MXFP6_E2M3 = 30.9
 HIGH_PRECISION = math.inf  # an operand used as is
 
 # The result's own rounding (see the derivation): fp32 accumulation over n = 256 products; bf16/fp16
@@ -87,6 +94,7 @@ OPERANDS = {
     "fp8_blockwise": ((E4M3, E4M3), (E4M3, E4M3), (E4M3, E4M3)),
     "mxfp8": ((E4M3, E4M3), (E4M3, E4M3), (E4M3, E4M3)),
     "nvfp4": ((NVFP4_1D, NVFP4_2D), (NVFP4_1D_SR, NVFP4_2D), (NVFP4_1D_SR, NVFP4_1D)),
+    "mxfp6": ((MXFP6_E2M3, MXFP6_E2M3), (E4M3, MXFP6_E2M3), (E4M3, E4M3)),
 }
 
 

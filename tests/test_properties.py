@@ -14,6 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tqcompile as tq
+from tqcompile.formats.codec import unpack_codes
 from tqcompile.formats import E2M1_VALUES, Format
 from tqcompile.kernels import reference
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, ScaleRounding
@@ -48,10 +49,10 @@ _U = 2.0**-24  # fp32 unit roundoff
 # Helpers
 # ---------------------------------------------------------------------------------------------
 def _codes(data: torch.Tensor, q) -> torch.Tensor:
-    """Per-element payload codes (uint8; 4-bit payloads unpacked)."""
+    """Per-element payload codes (uint8; sub-byte payloads unpacked: 4 bits two a byte, 6 bits four in three)."""
     if q.element_format().bits == 8:
         return data.contiguous().view(torch.uint8)
-    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+    return unpack_codes(data, q.element_format().bits)
 
 
 def _per_element(unit: torch.Tensor, q, shape) -> torch.Tensor:

@@ -234,6 +234,31 @@ def test_mxfp4_rceil():
     ]
 
 
+def test_mxfp6_e2m3_and_e3m2():
+    # docs/numerics/mxfp6.md. One block: [3, 0.3, -1.0625, 0.1875, 7.8], then zeros; amax 7.8.
+    x = torch.zeros(1, 32)
+    x[0, :5] = torch.tensor([3.0, 0.3, -1.0625, 0.1875, 7.8])
+    # E2M3 FLOOR: floor(log2 7.8) = 2, e = 2 - emax 2 = 0, byte 127. 3 = 1.5 * 2^1: exponent 2, mantissa 4,
+    #   code 0b10100 = 20; 0.3 -> subnormal 0.25 (code 2); -1.0625 ties 1.0 / 1.125 -> 1.0 (even mantissa), 0x20 | 8 = 40;
+    #   0.1875 ties 0.125 / 0.25 -> 0.25 (code 2); 7.8 saturates to 7.5 (code 31).
+    #   Group 20, 2, 40, 2 -> word 20 | 2 << 6 | 40 << 12 | 2 << 18 = 0x0A8094 -> bytes 0x94, 0x80, 0x0A.
+    qx = tq.quantize(x, tq.MXQuantizer(tq.Format.E2M3))
+    assert _bytes(qx._scale_inv) == [127]
+    assert qx._data.shape == (1, 24) and qx._data[0, :6].tolist() == [0x94, 0x80, 0x0A, 31, 0, 0]
+    assert qx.dequantize()[0, :5].tolist() == [3.0, 0.25, -1.0, 0.25, 7.5]
+    # E2M3 RCEIL: e = ceil(log2(7.8 / 7.5)) = 1, byte 128; halves 1.5 (12), 0.15 (-> 0.125, 1), -0.53125 (-> -0.5, 36),
+    #   0.09375 (-> 0.125, 1), 3.9 (-> 4, exponent 3 mantissa 0: 24). Group 12, 1, 36, 1 -> 0x06404C -> 0x4C, 0x40, 0x06.
+    qx = tq.quantize(x, tq.MXQuantizer(tq.Format.E2M3, tq.ScaleRounding.RCEIL))
+    assert _bytes(qx._scale_inv) == [128]
+    assert qx._data[0, :6].tolist() == [0x4C, 0x40, 0x06, 24, 0, 0]
+    # E3M2 FLOOR: e = 2 - emax 4 = -2, byte 125; 4x = 12 (1.5 * 2^3: 26), 1.2 (-> 1.25: 13), -4.25 (-> -4: 32 | 20 = 52),
+    #   0.75 (10), 31.2 (saturates at 28: 31). Group 26, 13, 52, 10 -> 0x2B435A -> 0x5A, 0x43, 0x2B.
+    qx = tq.quantize(x, tq.MXQuantizer(tq.Format.E3M2))
+    assert _bytes(qx._scale_inv) == [125]
+    assert qx._data[0, :6].tolist() == [0x5A, 0x43, 0x2B, 31, 0, 0]
+    assert qx.dequantize()[0, :5].tolist() == [3.0, 0.3125, -1.0, 0.1875, 7.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # NVFP4 (NVFP4Quantizer): 16-element blocks, E4M3 block scales, fp32 tensor scale
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Named PTQ/QAT configs: `tq.configs.int8()`, `int4_weight_only()`, `fp8()`, `mxfp8()`, `nvfp4()`.
+"""Named PTQ/QAT configs: `tq.configs.int8()`, `int4_weight_only()`, `fp8()`, `mxfp8()`, `mxfp6()`, `nvfp4()`.
 
 Each is a `QuantConfig` whose first rule enables quantizers on the GEMM layers (Linear,
 Conv1d/2d/3d, `tq.nn.GroupedLinear`, and each GEMM of a MoE experts module with fused 3-D weights,
@@ -34,7 +34,7 @@ from tqcompile.formats import Format
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
-__all__ = ["int8", "int4_weight_only", "fp8", "mxfp8", "nvfp4", "default_disabled", "GEMM_LAYERS"]
+__all__ = ["int8", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "default_disabled", "GEMM_LAYERS"]
 
 GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear, ExpertGemmQuantizers)
 NORMS: tuple[type, ...] = (
@@ -98,6 +98,12 @@ def mxfp8(*, ste: str = "clipped") -> QuantConfig:
     """MXFP8 (E4M3 elements, a power-of-two scale per 32-block) weights and activations: no static
     amax, every block scale comes from its block. Input dims must be multiples of 32."""
     return _preset(MXQuantizer(Format.E4M3), MXQuantizer(Format.E4M3), ste)
+
+
+def mxfp6(*, ste: str = "clipped") -> QuantConfig:
+    """MXFP6 weights (E2M3 elements, a power-of-two scale per 32-block) with MXFP8 (E4M3) activations,
+    compressed-tensors' MXFP6A8: no static amax. Input dims must be multiples of 32."""
+    return _preset(MXQuantizer(Format.E4M3), MXQuantizer(Format.E2M3), ste)
 
 
 def nvfp4(*, ste: str = "clipped") -> QuantConfig:

@@ -40,6 +40,7 @@ __all__ = [
     "mxfp8",
     "nvfp4",
     "fp8_delayed",
+    "mxfp6",
     "RECIPES",
     "get",
 ]
@@ -204,6 +205,16 @@ def nvfp4(stochastic_rounding: bool = True) -> Recipe:
     )
 
 
+def mxfp6() -> Recipe:
+    """OCP MXFP6: E2M3 elements in 32-blocks with E8M0 scales (RCEIL) for the weight in every GEMM
+    and the activations in the forward; the gradients, and the activations their wgrad GEMM meets, in
+    MXFP8 E4M3 (RCEIL), whose wider exponent range gradients need. One weight quantizer, so FSDP2
+    all-gathers the weight in 6 bits (docs/numerics/mxfp6.md)."""
+    fp6 = MXQuantizer(format=Format.E2M3, scale_rounding=ScaleRounding.RCEIL)
+    fp8 = MXQuantizer(format=Format.E4M3, scale_rounding=ScaleRounding.RCEIL)
+    return Recipe("mxfp6", fprop_input=fp6, fprop_weight=fp6, dgrad_grad=fp8, dgrad_weight=fp6, wgrad_grad=fp8, wgrad_input=fp8)
+
+
 def fp8_delayed(amax_history_len: int = 16) -> Recipe:
     """Delayed scaling: fp8_tensorwise with each scale taken from the max of the last
     `amax_history_len` amaxes, kept in module buffers and passed to the ops."""
@@ -223,7 +234,7 @@ class _Recipes(dict):
 
 
 RECIPES = _Recipes(
-    (f.__name__, f) for f in (fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, fp8_blockwise, mxfp8, nvfp4, fp8_delayed)
+    (f.__name__, f) for f in (fp8_tensorwise, fp8_rowwise, fp8_rowwise_hp_wgrad, fp8_blockwise, mxfp8, nvfp4, fp8_delayed, mxfp6)
 )
 
 

@@ -8,7 +8,7 @@ by a cast, small floats such as E2M1 on their grid), `ints` (INT8, INT4), `scale
 docs/adding_a_format.md says how to add one.
 """
 
-from tqcompile.formats import floats, ints, scales  # noqa: F401  (importing them registers their codecs)
+from tqcompile.formats import floats, fp6, ints, scales  # noqa: F401  (importing them registers their codecs)
 from tqcompile.formats.floats import E2M1_VALUES
 from tqcompile.formats.format import Format
 

@@ -36,6 +36,8 @@ class Format(enum.Enum):
     E4M3 = "e4m3"
     E5M2 = "e5m2"
     E2M1 = "e2m1"
+    E2M3 = "e2m3"  # MXFP6 (tqcompile.formats.fp6)
+    E3M2 = "e3m2"  # MXFP6
     E8M0 = "e8m0"
     INT8 = "int8"
     INT4 = "int4"
