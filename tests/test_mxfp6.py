@@ -180,3 +180,36 @@ def test_ptq_on_a_hugging_face_model(algorithm):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_export_e2m3_is_compressed_tensors_mxfp6_and_e3m2_is_refused(tmp_path):
+    """E2M3 exports as compressed-tensors' `mxfp6-pack-quantized` (one `register_mx_element` call beside
+    MXFP8's and MXFP4's), whose own decompressor rebuilds every weight the model computes with, bit for
+    bit; tq.load_exported reads it back to the same logits. E3M2 has no compressed-tensors scheme."""
+    pytest.importorskip("compressed_tensors")
+    from test_export import _decompress, _read
+
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
+    model = _tiny_llama()
+    tq.calibrate(model, tq.configs.mxfp6(), lambda m: m(ids), progress=False)
+    path = str(tmp_path / "mxfp6")
+    report = tq.export(model, path)
+    assert {r.scheme.split()[0] for r in report.rows} == {"mxfp6-pack-quantized"}
+    tensors = _read(path)
+    for name, module in model.named_modules():
+        if getattr(module, "weight_quantizer", None) is not None and module.weight_quantizer.enabled:
+            assert tensors[f"{name}.weight_packed"].shape == (module.weight.shape[0], module.weight.shape[1] * 3 // 4)
+            with torch.no_grad():
+                want = module.weight_quantizer(module.weight)
+            assert torch.equal(_decompress(path, tensors, name).float(), want), name
+    with torch.no_grad():
+        assert torch.equal(tq.load_exported(path)(ids).logits, model(ids).logits)
+
+    e3m2 = _tiny_llama()
+    config = tq.calibration.QuantConfig(
+        (tq.calibration.QuantRule(module_types=tq.configs.GEMM_LAYERS, input=False, weight=tq.MXQuantizer(Format.E3M2)),
+         *tq.configs.default_disabled())
+    )  # fmt: skip
+    tq.calibrate(e3m2, config, lambda m: m(ids), progress=False)
+    with pytest.raises(tq.export.ExportError, match=r"MXQuantizer\(format=Format.E3M2.*has no compressed-tensors form; .*E2M3"):
+        tq.export(e3m2, str(tmp_path / "e3m2"))

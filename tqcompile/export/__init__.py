@@ -25,7 +25,7 @@ from tqcompile.export.load import load_exported
 from tqcompile.export.units import ExportError
 from tqcompile.export.writer import FORMATS, ExportReport, ExportRow, ExportWarning, export
 
-__all__ = ["export", "load_exported", "ExportReport", "ExportRow", "ExportError", "ExportWarning", "FORMATS"]
+__all__ = ["export", "load_exported", "ExportReport", "ExportError", "ExportWarning"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -116,8 +116,8 @@ def register_mx_element(element: Format, scheme_format: str) -> None:
     (``"mxfp6-pack-quantized"``): weights and inputs with ``num_bits`` the element's width, type
     float, groups of 32, uint8 E8M0 scales; a packed element's payload is ``weight_packed`` (tq's
     packing by bit width), a byte-wide one's ``weight``. compressed-tensors names an MX element by
-    its width alone, so one element per width. Call it from outside `tqcompile.export` (where the
-    element format is added), e.g. ``register_mx_element(Format.E2M3, "mxfp6-pack-quantized")``.
+    its width alone, so one element per width. The elements compressed-tensors 0.20 names are
+    registered below; a format added outside tqcompile registers its own from its module.
     """
     if element not in MXQuantizer.allowed_formats():
         raise ValueError(f"register_mx_element: {element} is not an MX element format; allowed: {list(MXQuantizer.allowed_formats())}")
@@ -129,6 +129,7 @@ def register_mx_element(element: Format, scheme_format: str) -> None:
 
 register_mx_element(Format.E4M3, "mxfp8-quantized")
 register_mx_element(Format.E2M1, "mxfp4-pack-quantized")
+register_mx_element(Format.E2M3, "mxfp6-pack-quantized")  # OCP MXFP6: compressed-tensors has E2M3, not E3M2
 
 
 def _mx_args(q: MXQuantizer, dynamic: bool) -> tuple:
