@@ -14,8 +14,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tqcompile as tq
-from tqcompile.formats.codec import unpack_codes
 from tqcompile.formats import E2M1_VALUES, Format
+from tqcompile.formats.codec import unpack_codes
 from tqcompile.kernels import reference
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, ScaleRounding
 from tqcompile.testing.numerics import (
