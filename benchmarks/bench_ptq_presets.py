@@ -19,7 +19,7 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.testing import sqnr
 
-PRESETS = ("int8", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4")
+PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4")
 
 
 def _mlp() -> nn.Module:

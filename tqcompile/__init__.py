@@ -5,6 +5,7 @@ import torch as _torch
 from tqcompile import (  # noqa: E402  (these import the names above)
     calibration,
     configs,
+    deploy,
     distributed,
     export,  # the package, callable: tq.export(model, path) (see its docstring)
     nn,
@@ -14,6 +15,8 @@ from tqcompile import (  # noqa: E402  (these import the names above)
 from tqcompile.api import SUPPORTED_DTYPES, quantize
 from tqcompile.calibration import AWQ, GPTQ, SmoothQuant, calibrate, quant_state, restore, summary
 from tqcompile.conversion import convert
+from tqcompile.deploy import Int4PackedCPUTensor as _Int4PackedCPUTensor
+from tqcompile.deploy import compress
 from tqcompile.export import load_exported
 from tqcompile.formats import Format
 from tqcompile.quantizers import (
@@ -27,6 +30,7 @@ from tqcompile.quantizers import (
 )
 from tqcompile.quantizers.base import quantizer_families as _quantizer_families
 from tqcompile.recipes import Recipe
+from tqcompile.tensor import GroupedQuantizedTensor as _GroupedQuantizedTensor
 from tqcompile.tensor import QuantizedTensor
 from tqcompile.torch_export import lift_quantizers
 
@@ -57,12 +61,14 @@ __all__ = [
     "summary",
     "quant_state",
     "restore",
+    "compress",
+    "deploy",
     "distributed",
     "export",
     "load_exported",
     "lift_quantizers",
 ]
 
-# Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors, recipes and quantizers (every
+# Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors (a compressed model's packed ones too), recipes and quantizers (every
 # registered family, and the enums their fields hold).
-_torch.serialization.add_safe_globals([QuantizedTensor, Recipe, Format, Granularity, ScaleRounding, *_quantizer_families()])
+_torch.serialization.add_safe_globals([QuantizedTensor, _GroupedQuantizedTensor, _Int4PackedCPUTensor, Recipe, Format, Granularity, ScaleRounding, *_quantizer_families()])

@@ -1,4 +1,4 @@
-"""Named PTQ/QAT configs: `tq.configs.int8()`, `int4_weight_only()`, `fp8()`, `mxfp8()`, `mxfp6()`, `nvfp4()`.
+"""Named PTQ/QAT configs: `tq.configs.int8()`, `int8_dynamic()`, `int8_weight_only()`, `int4_weight_only()`, `fp8()`, `mxfp8()`, `mxfp6()`, `nvfp4()`.
 
 Each is a `QuantConfig` whose first rule enables quantizers on the GEMM layers (Linear,
 Conv1d/2d/3d, `tq.nn.GroupedLinear`, and each GEMM of a MoE experts module with fused 3-D weights,
@@ -34,7 +34,7 @@ from tqcompile.formats import Format
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
-__all__ = ["int8", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "default_disabled", "GEMM_LAYERS"]
+__all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "default_disabled", "GEMM_LAYERS"]
 
 GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear, ExpertGemmQuantizers)
 NORMS: tuple[type, ...] = (
@@ -81,6 +81,17 @@ def _preset(input_q, weight_q, ste: str) -> QuantConfig:
 def int8(*, ste: str = "clipped") -> QuantConfig:
     """W8A8: INT8 weights per output channel, INT8 activations per tensor (static, calibrated)."""
     return _preset(IntQuantizer(Format.INT8), IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
+
+
+def int8_weight_only(*, ste: str = "clipped") -> QuantConfig:
+    """W8A16: INT8 weights per output channel; activations stay high precision."""
+    return _preset(False, IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
+
+
+def int8_dynamic(*, ste: str = "clipped") -> QuantConfig:
+    """W8A8 with dynamic activations (llmcompressor's and vLLM's W8A8): INT8 weights per output
+    channel, INT8 activations with one scale per token computed from each token (no static amax)."""
+    return _preset(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
 
 
 def int4_weight_only(block_size: int = 128, *, ste: str = "clipped") -> QuantConfig:

@@ -62,6 +62,8 @@ __all__ = [
     "static_amax_shape",
     "base_class",
     "swap_class",
+    "register_mixin",
+    "is_fake_quant_experts",
 ]
 
 
@@ -246,8 +248,21 @@ _FORWARD_OWNER = {
     nn.Conv2d: nn.Conv2d,
     nn.Conv3d: nn.Conv3d,
 }
-# The mixins tq.calibrate generates classes with: `base_class` sees through those classes only.
-_MIXINS = frozenset({*(mixin for _, _, mixin, _ in _KINDS), _ExpertsFQ})
+# The mixins tq.calibrate (and tq.compress, `register_mixin`) generate classes with: `base_class`
+# sees through those classes only.
+_MIXINS = {*(mixin for _, _, mixin, _ in _KINDS), _ExpertsFQ}
+
+
+def is_fake_quant_experts(module: nn.Module) -> bool:
+    """Whether `module` is an experts module `tq.calibrate` fake-quantized (its GEMMs are children)."""
+    return isinstance(module, _ExpertsFQ)
+
+
+def register_mixin(mixin: type) -> type:
+    """Let `base_class` see through the classes generated with `mixin` (a later stage that
+    replaces a fake-quantized module's class, as `tq.compress` does, keeping its quantizers)."""
+    _MIXINS.add(mixin)
+    return mixin
 
 
 def unit_decision(name: str, module: nn.Module, using: object, action: str = "convert", reason: str = "") -> Decision:

@@ -234,6 +234,7 @@ def export(
         raise ValueError(f"tq.export: dtype={dtype!r} is not allowed; allowed: None or a floating torch.dtype (torch.bfloat16)")
     fmt = FORMATS[format]
     limit = parse_size(max_shard_size)
+    _check_not_compressed(model)
     units = collect_units(model)
     if not units:
         raise ExportError(
@@ -269,6 +270,19 @@ def export(
     if collective is True and not (dist.is_available() and dist.is_initialized()):
         raise ExportError("tq.export: collective=True needs an initialized process group (torch.distributed.init_process_group)")
     return _write(model, units, schemes, fmt, path, format, dtype, limit, overwrite, checkpoint)
+
+
+def _check_not_compressed(model: nn.Module) -> None:
+    from tqcompile.deploy.modules import deployed_layers
+
+    packed = deployed_layers(model)
+    if packed:
+        first = packed[0]
+        raise ExportError(
+            f"tq.export: the model is compressed (tq.compress; layer {first.name!r} holds a packed weight for its "
+            f"{first.kernel} kernel); export the calibrated model before tq.compress, or load the checkpoint again "
+            "(tq.load_exported) and compress that"
+        )
 
 
 def _write(model, units, schemes, fmt, path, format, dtype, limit, overwrite, checkpoint) -> ExportReport:

@@ -1,0 +1,11 @@
+"""The deployment form of a calibrated model: packed weights run by real kernels (`tq.compress`).
+
+See docs/deploy.md: what runs a real kernel where (`linear_kernel`), what is still dequantized
+per call and why, and the measured speed and memory (benchmarks/bench_inference.py).
+"""
+
+from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
+from tqcompile.deploy.kernels import KERNELS, linear_kernel
+from tqcompile.deploy.modules import FALLBACKS, DeployedLayer, compress, deployed_layers
+
+__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "KERNELS", "FALLBACKS", "Int4PackedCPUTensor"]

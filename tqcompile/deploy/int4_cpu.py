@@ -1,0 +1,95 @@
+"""`Int4PackedCPUTensor`: an INT4 weight in the layout the CPU INT4 kernel reads, and nothing else.
+
+``torch._weight_int4pack_mm_for_cpu`` reads unsigned codes ``c + 8`` (tq's INT4 codes ``c`` are
+-7..7, so the kernel's zero point is 0) in its own order: ``torch._convert_weight_to_int4pack_for_cpu``
+of an (N, K) weight gives (N, K / 2) bytes holding, for each 64 rows ``r`` and each column ``k``,
+32 bytes whose low nibbles are rows ``r..r+31`` and high nibbles rows ``r+32..r+63`` (measured on
+torch 2.13; `unpack` inverts it and tests/test_deploy.py checks it against the op on every run).
+Keeping tq's own nibble order beside it would double the weight's bytes, converting per call would
+read it three times; so the deployed weight holds the kernel's bytes only, and `dequantize` (what
+`state_dict` readers, `tq.export` and the exact path need) undoes the permutation.
+
+Its scales are the kernel's too: ``_scale_inv`` holds (K / block, N, 2) scales and zero points
+(all 0) in the weight's dtype, as the kernel reads them, so a call does no work on the weight
+(tq's fp32 scales kept beside them would add 4 bytes a block, and casting them per call measured
+~8% of INT4 decode). The deployed weight is therefore ``c * bf16(scale)`` where the calibrated
+model's is ``bf16(c * scale)`` (for a bf16 model): `dequantize` returns the former, the kernel's
+weight. Only the ops a parameter needs are supported (detach, clone, ``to`` on the CPU, ``copy_``
+from another of its kind); any other raises, naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqcompile import ops
+from tqcompile.formats import Format
+from tqcompile.tensor import _HANDLERS, QuantizedTensor
+
+__all__ = ["Int4PackedCPUTensor", "pack", "unpack"]
+
+aten = torch.ops.aten
+_ROW_BLOCK = 64
+
+
+def pack(payload: torch.Tensor) -> torch.Tensor:
+    """tq's INT4 payload (N, K / 2) -> the CPU kernel's (N, K / 2) bytes."""
+    codes = Format.INT4.codec.signed(Format.INT4.codec.unpack(payload)).to(torch.int32) + 8
+    return torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel's (N, K / 2) bytes -> tq's INT4 payload (N, K / 2)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    p = packed.view(n // _ROW_BLOCK, k, _ROW_BLOCK // 2)
+    unsigned = torch.cat((p & 15, p >> 4), 2).permute(0, 2, 1).reshape(n, k)
+    return Format.INT4.codec.pack(Format.INT4.codec.encode(unsigned.float() - 8))
+
+
+_OPS = (aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.default, aten._to_copy.default, aten.is_pinned.default)
+
+
+class Int4PackedCPUTensor(QuantizedTensor):
+    """An (N, K) INT4 weight quantized in blocks along K, its payload in the CPU INT4 kernel's
+    layout (module docstring). Made by `from_quantized`; read by `tqcompile.deploy.kernels`."""
+
+    @classmethod
+    def from_quantized(cls, qt: QuantizedTensor) -> Int4PackedCPUTensor:
+        s = qt._scale_inv.t().to(qt.orig_dtype)
+        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=pack(qt._data), _scale_inv=torch.stack((s, torch.zeros_like(s)), -1).contiguous())
+
+    @property
+    def block_size(self) -> int:
+        return self.quantizer.layout()[2]
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta, outer_size, outer_stride):
+        quantizer, orig_dtype, group_name, not_gathered = meta
+        return Int4PackedCPUTensor(outer_size, quantizer, orig_dtype, group_name, rowwise_not_gathered=not_gathered, **inner)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight the kernel computes with: codes times the kernel's scales."""
+        scale = self._scale_inv[..., 0].t().float().contiguous()
+        return ops.dequantize(unpack(self._data), scale, None, self.quantizer, dtype or self.orig_dtype)
+
+    def __repr__(self) -> str:
+        return f"Int4PackedCPUTensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, {self.quantizer!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _OPS:
+            raise NotImplementedError(
+                f"Int4PackedCPUTensor does not support {func}: it holds the CPU INT4 kernel's packed layout; "
+                "call .dequantize() for the weight, or deploy from the calibrated model again (tq.compress)"
+            )
+        if func is aten._to_copy.default and torch.device(kwargs.get("device") or "cpu").type != "cpu":
+            raise NotImplementedError(
+                f"Int4PackedCPUTensor.to(device={kwargs['device']}): its layout is the CPU kernel's; move the calibrated "
+                "model to the device and run tq.compress there"
+            )
+        if func is aten.copy_.default and not isinstance(args[1], Int4PackedCPUTensor):
+            raise NotImplementedError(
+                f"Int4PackedCPUTensor.copy_ from {type(args[1]).__name__}: load a state_dict saved from a deployed model (tq.compress)"
+            )
+        return _HANDLERS[func](func, args, kwargs)

@@ -1,0 +1,146 @@
+"""Which kernel a deployed (packed) linear layer runs, and the kernels themselves.
+
+One rule, `linear_kernel`, chooses per layer from the weight's quantizer, the input's quantizer
+(None: weight-only), the weight's shape and the device (docs/support.md, "Deployed models"):
+
+| kernel          | device | weight                         | input                          | call                                   |
+|-----------------|--------|--------------------------------|--------------------------------|----------------------------------------|
+| ``int_mm``      | CPU    | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (int32 sums)         |
+| ``int8pack_mm`` | CPU    | INT8, one scale per row        | none (weight-only)             | ``torch._weight_int8pack_mm``          |
+| ``int4pack_mm`` | CPU    | INT4 in blocks of 32-256 of K  | none (weight-only)             | ``torch._weight_int4pack_mm_for_cpu``  |
+| ``int_mm``      | CUDA   | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (M > 16, K, N % 8)   |
+| ``scaled_mm``   | CUDA   | FP8, per tensor or per row     | FP8, per tensor or per row     | ``tqcompile::gemm_tn`` (`_scaled_mm`)  |
+| ``dequantize``  | any    | anything else                  | anything                       | dequantized weight, ``F.linear``       |
+
+``dequantize`` computes exactly what the calibrated model computes (the same quantize and
+dequantize ops): bit for bit. The integer kernels sum in another order and with other scale
+roundings (``_weight_int8pack_mm`` and the INT4 kernel take their scales in the activation dtype;
+``_int_mm`` sums the integer codes exactly and scales in fp32); the difference to the calibrated
+model is measured per format in tests/test_deploy.py and stated in docs/deploy.md.
+
+The kernels are aten ops with meta kernels, called in the module's forward: fullgraph compile
+traces them without a graph break, inductor calls them as external kernels (a custom op around
+them measured ~7% slower INT4 decode: each call goes back through Python) and fuses the
+activation's quantization (the decomposed `tqcompile::quantize`, `tqcompile.ops.inductor`) and
+the output scaling of ``int_mm`` around them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tqcompile import ops
+from tqcompile.formats import Format
+from tqcompile.quantizers import Granularity, Quantizer
+
+__all__ = ["KERNELS", "linear_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS"]
+
+KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "dequantize")
+# Group sizes the CPU INT4 kernel takes (torch 2.11-2.14: 32, 64, 128, 256).
+INT4_BLOCKS = (32, 64, 128, 256)
+
+
+def _int8_rows(q: Quantizer | None) -> bool:
+    """INT8 with one scale per row of the (N, K) weight (per output channel)."""
+    if q is None or q.element_format() is not Format.INT8:
+        return False
+    gran, axis, _ = q.layout()
+    return gran is Granularity.ROWWISE and axis == -1
+
+
+def _int8_activation(q: Quantizer | None) -> bool:
+    """INT8 activations with one scale per tensor or per token (a row of the (M, K) input)."""
+    if q is None or q.element_format() is not Format.INT8:
+        return False
+    gran, axis, _ = q.layout()
+    return gran is Granularity.TENSORWISE or (gran is Granularity.ROWWISE and axis == -1)
+
+
+def linear_kernel(weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[int, int], device: torch.device | str) -> tuple[str, str]:
+    """(kernel, why) for a linear layer of (N, K) weight `shape` quantized by `weight_q`, whose
+    input is quantized by `input_q` (None: weight-only), on `device`. See the module docstring."""
+    n, k = shape
+    kind = torch.device(device).type
+    gran, axis, block = weight_q.layout()
+    fmt = weight_q.element_format()
+    if kind == "cpu":
+        if _int8_rows(weight_q) and _int8_activation(input_q):
+            return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM"
+        if _int8_rows(weight_q) and input_q is None:
+            return "int8pack_mm", "INT8 weight-only per channel"
+        if fmt is Format.INT4 and input_q is None and gran is Granularity.BLOCKWISE_1D and axis == -1:
+            if block not in INT4_BLOCKS:
+                return "dequantize", f"INT4 blocks of {block}: the CPU INT4 kernel takes blocks of {INT4_BLOCKS}"
+            if n % 64 or k % block:
+                return "dequantize", f"INT4 weight of shape {(n, k)}: the CPU INT4 kernel wants N % 64 == 0 and K % {block} == 0"
+            return "int4pack_mm", f"INT4 weight-only in blocks of {block}"
+    elif kind == "cuda":
+        if _int8_rows(weight_q) and _int8_activation(input_q) and k % 8 == 0 and n % 8 == 0:
+            return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM (M <= 16 dequantizes)"
+        if input_q is not None and weight_q.scaled_mm_operand() and input_q.scaled_mm_operand():
+            grans = {gran, input_q.layout()[0]}
+            if grans <= {Granularity.TENSORWISE, Granularity.ROWWISE} and len(grans) == 1:
+                return "scaled_mm", "FP8 per tensor or per row on both operands: torch._scaled_mm"
+    why = "no kernel for this format on this device: the dequantized weight and F.linear (exact)"
+    return "dequantize", why
+
+
+def weight_only_mm(x: torch.Tensor, weight, kernel_scale: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    """``x @ W.T`` of the (M, K) activations and an INT8 (``int8pack_mm``: (N, K) int8 codes, with
+    `kernel_scale` the (N,) scales in the activation dtype) or INT4 (``int4pack_mm``: an
+    `Int4PackedCPUTensor`, the kernel's bytes and scales) weight.
+
+    The scales are stored as the kernels read them (`tq.compress`): inductor's lowering of
+    ``_weight_int8pack_mm`` asserts when its scales are a fused pointwise node, such as a cast
+    (measured, torch 2.13), and a cast per call costs time. A cast happens here only when the
+    activations' dtype is not the weight's (autocast)."""
+    x = x.contiguous()
+    if kernel == "int8pack_mm":
+        s = kernel_scale if kernel_scale.dtype == x.dtype else kernel_scale.to(x.dtype)
+        return torch._weight_int8pack_mm(x, weight._data, s)
+    if kernel == "int4pack_mm":
+        s = weight._scale_inv if weight._scale_inv.dtype == x.dtype else weight._scale_inv.to(x.dtype)
+        return torch._weight_int4pack_mm_for_cpu(x, weight._data, weight.block_size, s)
+    raise ValueError(f"weight_only_mm: kernel={kernel!r}; allowed: 'int8pack_mm', 'int4pack_mm'")
+
+
+def _quantized_input(x2: torch.Tensor, input_quantizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_inv) of the (M, K) input, as the calibrated model's input quantizer makes them."""
+    from tqcompile.tensor import quantize_usages
+
+    qt = quantize_usages(x2, None, input_quantizer.quantizer, rowwise=True, columnwise=False, seed=None, group_name=None, amax=input_quantizer.amax)
+    return qt._data, qt._scale_inv
+
+
+def packed_linear(
+    x: torch.Tensor, weight, bias: torch.Tensor | None, input_quantizer, kernel: str, kernel_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``y = x W^T + b`` of a deployed layer: `weight` is its packed QuantizedTensor (an
+    `Int4PackedCPUTensor` for ``int4pack_mm``), `input_quantizer` the calibrated input
+    `TensorQuantizer` (disabled: weight-only), `kernel` what `linear_kernel` chose and
+    `kernel_scale` the INT8 weight-only kernel's (N,) scales."""
+    if kernel == "dequantize":
+        return F.linear(input_quantizer(x), weight.dequantize(), bias)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if kernel in ("int8pack_mm", "int4pack_mm"):
+        y = weight_only_mm(x2, weight, kernel_scale, kernel)
+    elif kernel == "int_mm":
+        if x.device.type == "cuda" and x2.shape[0] <= 16:  # CUDA's _int_mm wants M > 16
+            return F.linear(input_quantizer(x), weight.dequantize(), bias)
+        codes, sx = _quantized_input(x2, input_quantizer)
+        acc = torch._int_mm(codes, weight._data.t())
+        y = (acc.float() * sx.reshape(-1, 1) * weight._scale_inv.reshape(1, n)).to(x.dtype)
+    elif kernel == "scaled_mm":
+        from tqcompile.tensor import quantize_usages
+
+        q_in = input_quantizer.quantizer
+        xq = quantize_usages(x2, None, q_in, rowwise=True, columnwise=False, seed=None, group_name=None, amax=input_quantizer.amax)
+        y = ops.gemm_tn(xq._data, xq._scale_inv, xq._amax, q_in, weight._data, weight._scale_inv, weight._amax, weight.quantizer, x.dtype)
+    else:
+        raise ValueError(f"packed_linear: kernel={kernel!r} is not one of {KERNELS}")
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*lead, n)

@@ -1,0 +1,256 @@
+"""`tq.compress`: a calibrated model's deployment form, its weights packed and run by real kernels.
+
+A calibrated model (`tq.calibrate`, `tq.restore`, `tq.load_exported`) keeps float weights and
+fake-quantizes them on every call. `compress` quantizes each weight once, with its calibrated
+amax, into a `QuantizedTensor` parameter (INT8 and FP8 one byte an element, INT4 and FP4 half a
+byte, with their scales), frees the float weight, and gives the module a ``Packed<Class>`` class
+whose forward runs the kernel `tqcompile.deploy.kernels.linear_kernel` chose for the layer. The
+module keeps its quantizers (input and output amaxes, the weight's method), so `tq.summary` and
+`tq.quant_state` read it as before, and its class still derives from the model's own (``nn.Linear``).
+
+Experts modules (fused 3-D expert weights) keep their routing; each GEMM's weight is packed per
+expert in the GEMM's (experts, out, in) view under the parameter's name, and dequantized per
+call (there is no grouped low-precision kernel on the CPU): exact, and half or a quarter of the
+bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tqcompile.calibration.modules import (
+    ExpertGemmQuantizers,
+    base_class,
+    is_fake_quant_experts,
+    kind_of,
+    register_mixin,
+    slots_of,
+)
+from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
+from tqcompile.deploy.kernels import linear_kernel, packed_linear
+from tqcompile.nn.experts import ExpertsRouting
+from tqcompile.ops import grouped_gemm as gops
+from tqcompile.surgery.classes import generated_class
+from tqcompile.surgery.names import canonical_modules
+from tqcompile.tensor import GroupedQuantizedTensor, QuantizedTensor, quantize_usages
+
+__all__ = ["compress", "PackedModule", "DeployedLayer", "deployed_layers", "FALLBACKS"]
+
+# What `compress` does with a weight no kernel serves: keep it packed and dequantize per call
+# (the memory saving, at the dequantization's cost), or keep the dequantized weight (the float
+# model's memory and speed, no per-call work). Both compute what the calibrated model computes.
+FALLBACKS = ("packed", "dequantized")
+
+
+class PackedModule:
+    """Mixin of the deployed modules `compress` makes: its forward replaces the class's own."""
+
+    tq_mixin_first = True
+    tq_class_prefix = "Packed"
+    tq_kernel: str
+    tq_kernel_reason: str
+
+
+@register_mixin
+class _LinearPacked(PackedModule):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tq_kernel == "dequantized":  # the fallback kept the dequantized weight
+            y = F.linear(self.input_quantizer(x), self.weight, self.bias)
+        else:
+            y = packed_linear(x, self.weight, self.bias, self.input_quantizer, self.tq_kernel, self._buffers.get("weight_kernel_scale"))
+        return self.output_quantizer(y)
+
+
+def _dequantized_gemm_weight(unit: ExpertGemmQuantizers, w: torch.Tensor) -> torch.Tensor:
+    """The (E, N, K) weight of one experts GEMM as the calibrated model computes with it."""
+    if not isinstance(w, QuantizedTensor):
+        return w  # the "dequantized" fallback, or a GEMM whose weight quantizer is disabled
+    if isinstance(w, GroupedQuantizedTensor):  # one tensor-level amax per expert
+        e, n, k = w.shape
+        ends = gops.equal_ends(e, n, w._data.device)
+        return gops.grouped_dequantize(w._data, w._scale_inv, w._amax, w.quantizer, ends, w.orig_dtype).view(e, n, k)
+    return w.dequantize()
+
+
+@register_mixin
+class _ExpertsPacked(ExpertsRouting):
+    """Deployed experts: the routing of `tqcompile.nn.experts`, each GEMM's input quantized as
+    calibrated and its packed weight dequantized (exactly the calibrated model's computation)."""
+
+    tq_class_prefix = "Packed"
+    tq_kernel = "dequantize"
+
+    def _expert_gemm(self, index: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        g = self.tq_experts_layout.gemms[index]
+        unit = self._modules[f"{g.weight}_gemm"]
+        ends = torch.cumsum(counts.to(torch.int64), 0)
+        w = _dequantized_gemm_weight(unit, self._parameters[g.weight])
+        y = gops.grouped_mm(unit.input_quantizer(x, ends=ends), w, ends)
+        if g.bias is not None:
+            y = y + self._parameters[g.bias].to(y.dtype)[gops.expert_ids(ends, x.shape[0])]
+        return unit.output_quantizer(y)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployedLayer:
+    """One layer of a compressed model: its name, kernel (`tqcompile.deploy.kernels.KERNELS`, or
+    "dequantized" for the float fallback), why, and the bytes its weight holds in memory."""
+
+    name: str
+    kernel: str
+    reason: str
+    weight_bytes: int
+
+
+def _bytes(t: torch.Tensor) -> int:
+    if isinstance(t, QuantizedTensor):
+        return sum(x.numel() * x.element_size() for x in t._inner().values())
+    return t.numel() * t.element_size()
+
+
+def _static_amax(tq, what: str) -> torch.Tensor | None:
+    """The weight quantizer's calibrated amax; an error where calibration has not set one."""
+    if tq.calibrating:
+        raise RuntimeError(f"tq.compress: {what} is still calibrating; compress after tq.calibrate returns")
+    if tq.static_kind is not None and tq.amax is None:
+        raise RuntimeError(f"tq.compress: {what} has no calibrated weight amax; calibrate (tq.calibrate) or restore (tq.restore) it first")
+    return tq.amax
+
+
+def _check_dense(name: str, t: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        raise ValueError(f"tq.compress: {name} is sharded ({t.placements}); compress the unsharded model (one process)")
+    if isinstance(t, QuantizedTensor):
+        raise ValueError(f"tq.compress: {name} is already packed; compress a calibrated model once")
+    if t.device.type == "meta":
+        raise ValueError(f"tq.compress: {name} is on the meta device; load the weights first")
+
+
+def _pack_linear(name: str, module: nn.Module, fallback: str) -> DeployedLayer:
+    slots = slots_of(module)
+    w = module.weight.detach()
+    _check_dense(f"{name}.weight", w)
+    q = slots["weight"].quantizer
+    amax = _static_amax(slots["weight"], f"the weight quantizer of {name!r}")
+    qt = quantize_usages(w, None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
+    input_q = slots["input"].quantizer
+    kernel, why = linear_kernel(q, input_q, tuple(w.shape), w.device)
+    if kernel == "int4pack_mm":
+        qt = Int4PackedCPUTensor.from_quantized(qt)
+    if kernel == "dequantize" and fallback == "dequantized":
+        packed, kernel, why = qt.dequantize(), "dequantized", f"{why}; kept dequantized (fallback='dequantized')"
+    else:
+        packed = qt
+    module._parameters["weight"] = nn.Parameter(packed, requires_grad=False)
+    if kernel == "int8pack_mm":  # the kernel's (N,) scales in the model's dtype (kernels.weight_only_mm)
+        module.register_buffer("weight_kernel_scale", qt._scale_inv.reshape(-1).to(w.dtype))
+    module.__class__ = generated_class(base_class(module), _LinearPacked)
+    module.tq_kernel, module.tq_kernel_reason = kernel, why
+    return DeployedLayer(name, kernel, why, _bytes(packed))
+
+
+def _pack_experts(name: str, module: nn.Module, fallback: str) -> list[DeployedLayer]:
+    rows = []
+    for g in module.tq_experts_layout.gemms:
+        unit = module._modules[f"{g.weight}_gemm"]
+        w = unit.weight.detach()  # the (E, N, K) GEMM view
+        _check_dense(f"{name}.{g.weight}", w)
+        wq = unit.weight_quantizer
+        q = wq.quantizer
+        if q is None:
+            packed = w.contiguous()
+        elif wq.static_kind == "tensor":  # one amax per expert: quantized per expert as the grouped path does
+            e, n, k = w.shape
+            ends = gops.equal_ends(e, n, w.device)
+            amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
+            amax = gops.grouped_amax(w.reshape(e * n, k), q, ends, False) if amax is None else amax.reshape(e)
+            data, scale_inv = gops.grouped_quantize(w.reshape(e * n, k), q, ends, amax, None, False)
+            packed = GroupedQuantizedTensor(w.shape, q, w.dtype, None, _data=data, _scale_inv=scale_inv, _amax=amax)
+        else:
+            amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
+            packed = quantize_usages(w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
+        if fallback == "dequantized" and isinstance(packed, QuantizedTensor):
+            packed = _dequantized_gemm_weight(unit, packed)
+        kernel = "dequantized" if not isinstance(packed, QuantizedTensor) else "dequantize"
+        rows.append(DeployedLayer(f"{name}.{unit.attr_name}", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(packed)))
+        module._parameters[g.weight] = nn.Parameter(packed, requires_grad=False)
+    # The packed weights are stored in the GEMM's (E, out, in) view, whatever the model stored.
+    gemms = tuple(dataclasses.replace(g, transposed=False) for g in module.tq_experts_layout.gemms)
+    module.tq_experts_layout = dataclasses.replace(module.tq_experts_layout, gemms=gemms)
+    for g in gemms:
+        module._modules[f"{g.weight}_gemm"].gemm = g
+    module.__class__ = generated_class(base_class(module), _ExpertsPacked)
+    return rows
+
+
+def compress(model: nn.Module, *, fallback: str = "packed") -> nn.Module:
+    """Turn a calibrated model into its deployment form, in place, and return it.
+
+    Every fake-quantized linear layer whose weight quantizer is enabled (and every fake-quantized
+    experts GEMM) gets its weight quantized once into a packed `QuantizedTensor` parameter, the
+    float weight freed, and a forward that runs the layer's kernel (`deployed_layers` lists them;
+    docs/deploy.md). Other fake-quantized modules (convolutions, norms, embeddings) stay as they
+    are. The result runs under ``torch.compile(fullgraph=True)`` and HF ``generate`` (static KV
+    cache included), and its ``state_dict`` (packed tensors) loads into another compressed model
+    of the same calibration. It is for inference: the packed weights take no gradient.
+
+    Args:
+        model: a model from `tq.calibrate`, `tq.restore` or `tq.load_exported`, unsharded.
+        fallback: for a weight no kernel serves on its device (FP8, MX, NVFP4 on the CPU):
+            "packed" keeps it packed and dequantizes per call (the memory saving; slower than the
+            float model), "dequantized" keeps the dequantized weight (the float model's memory and
+            speed). Both compute exactly what the calibrated model computes.
+
+    Raises:
+        ValueError: a bad `fallback`; a sharded, meta or already packed weight (names it).
+        RuntimeError: a layer still calibrating or without its calibrated weight amax.
+
+    Example:
+        >>> tq.calibrate(model, tq.configs.int4_weight_only(), forward_loop)
+        >>> tq.compress(model)        # INT4 weights at half a byte, torch._weight_int4pack_mm_for_cpu
+        >>> model = torch.compile(model, fullgraph=True)
+    """
+    if fallback not in FALLBACKS:
+        raise ValueError(f"tq.compress: fallback={fallback!r} is not allowed; allowed: {FALLBACKS}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tq.compress: model must be a torch.nn.Module, got {type(model).__name__}")
+    todo = []
+    for name, module in canonical_modules(model):
+        if is_fake_quant_experts(module):
+            todo.append(("experts", name, module))
+        elif slots_of(module) is not None and not isinstance(module, (ExpertGemmQuantizers, PackedModule)):
+            found = kind_of(module)
+            if found is not None and found[0] == "Linear" and slots_of(module)["weight"].enabled:
+                todo.append(("linear", name, module))
+    if not todo:
+        raise ValueError("tq.compress: the model has no calibrated linear layer or experts module to pack; run tq.calibrate (or tq.restore) first")
+    for what, name, module in todo:  # checks before the first change: a failure leaves the model as it was
+        if what == "linear":
+            _check_dense(f"{name}.weight", module.weight)
+            _static_amax(slots_of(module)["weight"], f"the weight quantizer of {name!r}")
+    for what, name, module in todo:
+        if what == "linear":
+            _pack_linear(name, module, fallback)
+        else:
+            _pack_experts(name, module, fallback)
+    return model
+
+
+def deployed_layers(model: nn.Module) -> list[DeployedLayer]:
+    """The packed layers of a compressed model: name, kernel, why, weight bytes in memory."""
+    rows = []
+    for name, module in canonical_modules(model):
+        if isinstance(module, _LinearPacked):
+            rows.append(DeployedLayer(name, module.tq_kernel, module.tq_kernel_reason, _bytes(module.weight)))
+        elif isinstance(module, _ExpertsPacked):
+            for g in module.tq_experts_layout.gemms:
+                w = module._parameters[g.weight]
+                kernel = "dequantize" if isinstance(w, QuantizedTensor) else "dequantized"
+                rows.append(DeployedLayer(f"{name}.{g.weight}_gemm", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(w)))
+    return rows
