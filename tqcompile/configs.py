@@ -1,4 +1,5 @@
-"""Named PTQ/QAT configs: `tq.configs.int8()`, `int8_dynamic()`, `int8_weight_only()`, `int4_weight_only()`, `fp8()`, `mxfp8()`, `mxfp6()`, `nvfp4()`.
+"""Named PTQ/QAT configs: `tq.configs.int8()`, `int8_dynamic()`, `int8_weight_only()`, `int4_weight_only()`, `fp8()`,
+`mxfp8()`, `mxfp6()`, `nvfp4()`.
 
 Each is a `QuantConfig` whose first rule enables quantizers on the GEMM layers (Linear,
 Conv1d/2d/3d, `tq.nn.GroupedLinear`, and each GEMM of a MoE experts module with fused 3-D weights,

@@ -64,6 +64,7 @@ __all__ = [
     "swap_class",
     "register_mixin",
     "is_fake_quant_experts",
+    "runs_its_quantizers",
 ]
 
 
@@ -256,6 +257,13 @@ _MIXINS = {*(mixin for _, _, mixin, _ in _KINDS), _ExpertsFQ}
 def is_fake_quant_experts(module: nn.Module) -> bool:
     """Whether `module` is an experts module `tq.calibrate` fake-quantized (its GEMMs are children)."""
     return isinstance(module, _ExpertsFQ)
+
+
+def runs_its_quantizers(module: nn.Module) -> bool:
+    """Whether the module's class runs its quantizers: a fake-quant class, or a class a registered
+    mixin made (`register_mixin`: `tq.compress`'s packed modules). False for a module that kept its
+    quantizer children but lost such a class (`tq.calibration.reattach`)."""
+    return isinstance(module, FakeQuantModule) or mixin_of(type(module)) in _MIXINS
 
 
 def register_mixin(mixin: type) -> type:

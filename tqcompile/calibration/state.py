@@ -30,7 +30,6 @@ from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
     SHARDED_FIX,
-    FakeQuantModule,
     convert_module,
     holds_quantizers,
     kind_of,
@@ -38,6 +37,7 @@ from tqcompile.calibration.modules import (
     params_owner,
     quant_units,
     read_by_parent,
+    runs_its_quantizers,
     static_amax_shape,
     swap_class,
     unit_decision,
@@ -75,7 +75,7 @@ def _record(model: nn.Module) -> CalibrationRecord:
 
 def _warn_detached(spec: LayerSpec, what: str) -> None:
     module = spec.unit
-    if not isinstance(module, FakeQuantModule) and any(op is not None for op in spec.operands().values()):
+    if not runs_its_quantizers(module) and any(op is not None for op in spec.operands().values()):
         warnings.warn(
             f"{what}: {spec.name!r} ({type(module).__name__}) was replaced after quantization (e.g. by convert_sync_batchnorm) and its "
             "enabled quantizers no longer run; call tq.calibration.reattach(model)",
@@ -88,7 +88,7 @@ def reattach(model: nn.Module) -> nn.Module:
     """Give modules that hold quantizers but lost their fake-quant class (a module replaced after
     quantization that kept its children, as `convert_sync_batchnorm` does) their forward back."""
     for spec in list(calibrated_layers(model)):
-        if not isinstance(spec.unit, FakeQuantModule):
+        if not runs_its_quantizers(spec.unit):
             swap_class(spec.unit)
     return model
 

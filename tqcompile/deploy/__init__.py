@@ -5,7 +5,7 @@ per call and why, and the measured speed and memory (benchmarks/bench_inference.
 """
 
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
-from tqcompile.deploy.kernels import KERNELS, linear_kernel
+from tqcompile.deploy.kernels import KERNELS, linear_kernel  # KERNELS, FALLBACKS: importable, not advertised
 from tqcompile.deploy.modules import FALLBACKS, DeployedLayer, compress, deployed_layers
 
-__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "KERNELS", "FALLBACKS", "Int4PackedCPUTensor"]
+__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "Int4PackedCPUTensor"]

@@ -1,0 +1,63 @@
+"""tq.compress under torch.compile(fullgraph=True): one graph, no break, and no work on a weight.
+
+The deployed forward's traced graph holds no quantize of a weight and no dequantize at all for the
+layers that run a kernel (W8A8 quantizes its activations only); inductor lowers the aten kernels
+itself (``_weight_int8pack_mm`` asserted on a cast scale before the scales were stored in the
+model dtype) and computes what eager computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_deploy import CPU_KERNEL, IDS, calibrated, logits
+from torch._dynamo.backends.common import aot_autograd
+
+import tqcompile as tq
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4_weight_only", "int8_weight_only"])
+def test_compiled_fullgraph_without_weight_work(preset):
+    """The compiled forward holds no quantize of a weight and no dequantize at all: W8A8 quantizes
+    its activations only (one quantize per linear layer), weight-only layers nothing."""
+    m = tq.compress(calibrated(preset))
+    eager = logits(m)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(m, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(IDS).logits
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    quantizes = sum("tqcompile.quantize" in t for t in targets)
+    assert sum("tqcompile.dequantize" in t for t in targets) == 0
+    assert quantizes == (14 if preset == "int8" else 0)
+    assert any(CPU_KERNEL[preset].replace("int4pack_mm", "_weight_int4pack_mm_for_cpu") in t for t in targets)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_with_inductor_int8_weight_only():
+    # Inductor lowers _weight_int8pack_mm itself: it asserted on a cast scale (kernels.weight_only_mm).
+    m = tq.compress(calibrated("int8_weight_only"))
+    eager = logits(m)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(m, fullgraph=True)(IDS).logits
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["int8_dynamic", "int4_weight_only"])
+def test_generate_compiled_with_a_static_cache(preset):
+    """HF generate with a static cache through the compiled (fullgraph, aot_eager) forward: the
+    tokens the eager deployed model generates."""
+    m = tq.compress(calibrated(preset))
+    ids = IDS[:1, :6]
+    want = m.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    m.forward = torch.compile(m.forward, backend="aot_eager", fullgraph=True)
+    got = m.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, want)
