@@ -50,6 +50,24 @@ def test_compiled_with_inductor_int8_weight_only():
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_inductor_fuses_the_activation_quantization_of_w8a8():
+    """INT8 activations per token: inductor generates their quantization (the decomposed
+    `tqcompile::quantize`) next to the op before it; the generated code calls no tqcompile op
+    and `torch._int_mm` for every linear layer."""
+    from torch._inductor.utils import run_and_get_code
+
+    m = tq.compress(calibrated("int8_dynamic"))
+    eager = logits(m)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, code = run_and_get_code(torch.compile(m, fullgraph=True), IDS)
+    source = "\n".join(code)
+    assert "torch.ops.tqcompile" not in source  # no opaque tqcompile kernel is called
+    assert "Original ATen: [tqcompile.quantize" in source  # a generated kernel computes the quantization
+    assert source.count("extern_kernels._int_mm(") == 14
+    torch.testing.assert_close(out.logits, eager, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("preset", ["int8_dynamic", "int4_weight_only"])
 def test_generate_compiled_with_a_static_cache(preset):
     """HF generate with a static cache through the compiled (fullgraph, aot_eager) forward: the

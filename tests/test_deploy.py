@@ -291,6 +291,18 @@ def test_load_exported_checkpoints_compress(preset, tmp_path):
     assert torch.equal(out, ref) if preset == "nvfp4" else float((out - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("preset, algorithm", [("int4_weight_only", "gptq"), ("int8", "smoothquant"), ("int4_weight_only", "awq")])
+def test_models_made_by_the_ptq_algorithms_compress(preset, algorithm):
+    """GPTQ's rounded weights, SmoothQuant's and AWQ's folded scales: the packed model computes
+    what the calibrated model computes (float32: the kernels' summation order only)."""
+    m = llama()
+    tq.calibrate(m, getattr(tq.configs, preset)(), lambda mm: mm(IDS), algorithm=algorithm, progress=False)
+    ref = logits(m)
+    tq.compress(m)
+    assert {r.kernel for r in tq.deploy.deployed_layers(m)} == {CPU_KERNEL[preset]}
+    assert float((logits(m) - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_bad_input_is_named(tmp_path):
     with pytest.raises(ValueError, match="fallback='fast' is not allowed"):
         tq.compress(calibrated("int8"), fallback="fast")
