@@ -335,8 +335,8 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
 def _round_rows(cols: torch.Tensor, rows: Quantizer, amax: torch.Tensor) -> torch.Tensor:
     """``fake_quantize(cols, rows, amax)``'s forward: the reference kernels `tq.quantize` and
     `dequantize` run, called directly. Per column, the custom-op dispatch, argument checks and
-    autograd wrapper around them cost half of GPTQ's time (measured: 0.20 s of 0.44 s on a 512 x 512
-    INT4 weight)."""
+    autograd wrapper around them cost a quarter of GPTQ's time (measured on a 512 x 512 weight:
+    INT4 g128 114 -> 84 ms, INT8 per row 89 -> 62 ms, FP8 per row 91 -> 65 ms; results identical)."""
     data, scale_inv = reference.quantize(cols, rows, amax, None)
     return reference.dequantize(data, scale_inv, None, rows, torch.float32)
 
