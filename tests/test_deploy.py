@@ -90,6 +90,8 @@ FP8_ROWS = tq.Float8Quantizer(tq.Format.E4M3, Granularity.ROWWISE)
         (INT4_G, None, (96, 256), "cpu", "dequantize"),  # N % 64
         (tq.IntQuantizer(tq.Format.INT4, Granularity.BLOCKWISE_1D, block_size=16), None, (128, 256), "cpu", "dequantize"),
         (INT4_G, INT8_ROWS, (128, 256), "cpu", "dequantize"),  # W4A8: no kernel
+        (tq.IntQuantizer(tq.Format.INT4, Granularity.ROWWISE), None, (128, 768), "cpu", "int4pack_mm"),  # as blocks of 256
+        (tq.IntQuantizer(tq.Format.INT4, Granularity.ROWWISE), None, (128, 48), "cpu", "dequantize"),  # no block divides 48
         (FP8, FP8, (128, 256), "cpu", "dequantize"),
         (FP8, FP8, (128, 256), "cuda", "scaled_mm"),
         (FP8_ROWS, FP8_ROWS, (128, 256), "cuda", "scaled_mm"),
@@ -165,6 +167,23 @@ def test_every_preset_compresses_and_computes_as_calibrated(preset):
         assert torch.equal(out, ref)
     else:  # fp32 model: the kernels' other summation order and scale rounding
         assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_int4_per_channel_runs_the_int4_kernel_as_blocks():
+    """One scale per output channel is the kernel's blocks each carrying the row's scale: the
+    largest kernel block dividing K (128 for the attention, 256 for down_proj here)."""
+    m = llama()
+    tq.calibrate(m, tq.configs.int4_weight_only(block_size=None), lambda mm: mm(IDS), progress=False)
+    ref = logits(m)
+    tq.compress(m)
+    rows = {r.name: r for r in tq.deploy.deployed_layers(m)}
+    assert {r.kernel for r in rows.values()} == {"int4pack_mm"}
+    assert m.model.layers[0].mlp.down_proj.weight.block_size == 256
+    assert m.model.layers[0].self_attn.q_proj.weight.block_size == 128
+    assert "one scale per output channel (as blocks of 256)" in rows["model.layers.0.mlp.down_proj"].reason
+    assert float((logits(m) - ref).norm() / ref.norm()) < 1e-5
+    w = m.model.layers[0].mlp.down_proj.weight  # its dequantize is the per-channel weight
+    torch.testing.assert_close(w.dequantize(), m.model.layers[0].mlp.down_proj.weight_quantizer(w.dequantize()), rtol=0, atol=0)
 
 
 def test_weights_in_memory_are_the_packed_bytes():

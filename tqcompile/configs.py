@@ -95,9 +95,13 @@ def int8_dynamic(*, ste: str = "clipped") -> QuantConfig:
     return _preset(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
 
 
-def int4_weight_only(block_size: int = 128, *, ste: str = "clipped") -> QuantConfig:
-    """INT4 weights in blocks of `block_size` along the input dim; activations stay high precision.
-    Layers whose input dim is not a multiple of `block_size` are left in high precision (reported)."""
+def int4_weight_only(block_size: int | None = 128, *, ste: str = "clipped") -> QuantConfig:
+    """INT4 weights in blocks of `block_size` along the input dim, or one scale per output channel
+    (`block_size=None`, compressed-tensors' W4A16 "channel" strategy); activations stay high
+    precision. Layers whose input dim is not a multiple of `block_size` are left in high precision
+    (reported)."""
+    if block_size is None:
+        return _preset(False, IntQuantizer(Format.INT4, Granularity.ROWWISE), ste)
     return _preset(False, IntQuantizer(Format.INT4, Granularity.BLOCKWISE_1D, block_size=block_size), ste)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from tqcompile import ops
 from tqcompile.formats import Format
+from tqcompile.quantizers import Granularity
 from tqcompile.tensor import _HANDLERS, QuantizedTensor
 
 __all__ = ["Int4PackedCPUTensor", "pack", "unpack"]
@@ -54,13 +55,18 @@ class Int4PackedCPUTensor(QuantizedTensor):
     layout (module docstring). Made by `from_quantized`; read by `tqcompile.deploy.kernels`."""
 
     @classmethod
-    def from_quantized(cls, qt: QuantizedTensor) -> Int4PackedCPUTensor:
-        s = qt._scale_inv.t().to(qt.orig_dtype)
+    def from_quantized(cls, qt: QuantizedTensor, block: int) -> Int4PackedCPUTensor:
+        """`qt`'s (N, K) INT4 weight for the kernel's blocks of `block` (its own 1-D blocks, or,
+        for one scale per row, the row's scale repeated over its K / block kernel blocks)."""
+        s = qt._scale_inv.repeat_interleave(qt.shape[1] // block // qt._scale_inv.shape[1], 1)
+        s = s.t().to(qt.orig_dtype)
         return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=pack(qt._data), _scale_inv=torch.stack((s, torch.zeros_like(s)), -1).contiguous())
 
     @property
     def block_size(self) -> int:
-        return self.quantizer.layout()[2]
+        """The kernel's block size (the quantizer's 1-D block; for one scale per row, what
+        `tqcompile.deploy.kernels.int4_kernel_block` chose)."""
+        return self.shape[1] // self._scale_inv.shape[0]
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta, outer_size, outer_stride):
@@ -70,6 +76,8 @@ class Int4PackedCPUTensor(QuantizedTensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the kernel computes with: codes times the kernel's scales."""
         scale = self._scale_inv[..., 0].t().float().contiguous()
+        if self.quantizer.layout()[0] is not Granularity.BLOCKWISE_1D:
+            scale = scale[:, :1]  # one scale per row, repeated over the kernel's blocks
         return ops.dequantize(unpack(self._data), scale, None, self.quantizer, dtype or self.orig_dtype)
 
     def __repr__(self) -> str:

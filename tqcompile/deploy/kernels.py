@@ -7,7 +7,8 @@ One rule, `linear_kernel`, chooses per layer from the weight's quantizer, the in
 |-----------------|--------|--------------------------------|--------------------------------|----------------------------------------|
 | ``int_mm``      | CPU    | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (int32 sums)         |
 | ``int8pack_mm`` | CPU    | INT8, one scale per row        | none (weight-only)             | ``torch._weight_int8pack_mm``          |
-| ``int4pack_mm`` | CPU    | INT4 in blocks of 32-256 of K  | none (weight-only)             | ``torch._weight_int4pack_mm_for_cpu``  |
+| ``int4pack_mm`` | CPU    | INT4 in blocks of 32-256 of K, | none (weight-only)             | ``torch._weight_int4pack_mm_for_cpu``  |
+|                 |        | or per row (K % 32 == 0)       |                                |                                        |
 | ``int_mm``      | CUDA   | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (M > 16, K, N % 8)   |
 | ``scaled_mm``   | CUDA   | FP8, per tensor or per row     | FP8, per tensor or per row     | ``tqcompile::gemm_tn`` (`_scaled_mm`)  |
 | ``dequantize``  | any    | anything else                  | anything                       | dequantized weight, ``F.linear``       |
@@ -34,7 +35,7 @@ from tqcompile import ops
 from tqcompile.formats import Format
 from tqcompile.quantizers import Granularity, Quantizer
 
-__all__ = ["KERNELS", "linear_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS"]
+__all__ = ["KERNELS", "linear_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS", "int4_kernel_block"]
 
 KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "dequantize")
 # Group sizes the CPU INT4 kernel takes (torch 2.11-2.14: 32, 64, 128, 256).
@@ -57,6 +58,21 @@ def _int8_activation(q: Quantizer | None) -> bool:
     return gran is Granularity.TENSORWISE or (gran is Granularity.ROWWISE and axis == -1)
 
 
+def int4_kernel_block(q: Quantizer, k: int) -> int | None:
+    """The block size the CPU INT4 kernel runs an INT4 weight of input dim `k` with: its own 1-D
+    block, or for one scale per row the largest kernel block dividing `k` (every block of a row
+    then carries the row's scale: the same weight). None where the kernel takes none."""
+    gran, _, block = q.layout()
+    if gran is Granularity.ROWWISE:
+        return next((b for b in reversed(INT4_BLOCKS) if k % b == 0), None)
+    return block if block in INT4_BLOCKS else None
+
+
+def _int4_grain(q: Quantizer) -> str:
+    gran, _, block = q.layout()
+    return "one scale per output channel" if gran is Granularity.ROWWISE else f"blocks of {block}"
+
+
 def linear_kernel(weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[int, int], device: torch.device | str) -> tuple[str, str]:
     """(kernel, why) for a linear layer of (N, K) weight `shape` quantized by `weight_q`, whose
     input is quantized by `input_q` (None: weight-only), on `device`. See the module docstring."""
@@ -69,12 +85,13 @@ def linear_kernel(weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[i
             return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM"
         if _int8_rows(weight_q) and input_q is None:
             return "int8pack_mm", "INT8 weight-only per channel"
-        if fmt is Format.INT4 and input_q is None and gran is Granularity.BLOCKWISE_1D and axis == -1:
-            if block not in INT4_BLOCKS:
-                return "dequantize", f"INT4 blocks of {block}: the CPU INT4 kernel takes blocks of {INT4_BLOCKS}"
+        if fmt is Format.INT4 and input_q is None and axis == -1 and gran in (Granularity.BLOCKWISE_1D, Granularity.ROWWISE):
+            block = int4_kernel_block(weight_q, k)
+            if block is None:
+                return "dequantize", f"INT4 {_int4_grain(weight_q)} on K={k}: the CPU INT4 kernel takes blocks of {INT4_BLOCKS}"
             if n % 64 or k % block:
                 return "dequantize", f"INT4 weight of shape {(n, k)}: the CPU INT4 kernel wants N % 64 == 0 and K % {block} == 0"
-            return "int4pack_mm", f"INT4 weight-only in blocks of {block}"
+            return "int4pack_mm", f"INT4 weight-only, {_int4_grain(weight_q)}" + (f" (as blocks of {block})" if gran is Granularity.ROWWISE else "")
     elif kind == "cuda":
         if _int8_rows(weight_q) and _int8_activation(input_q) and k % 8 == 0 and n % 8 == 0:
             return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM (M <= 16 dequantizes)"

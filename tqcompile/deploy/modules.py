@@ -31,7 +31,7 @@ from tqcompile.calibration.modules import (
     slots_of,
 )
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
-from tqcompile.deploy.kernels import linear_kernel, packed_linear
+from tqcompile.deploy.kernels import int4_kernel_block, linear_kernel, packed_linear
 from tqcompile.nn.experts import ExpertsRouting
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.surgery.classes import generated_class
@@ -142,7 +142,7 @@ def _pack_linear(name: str, module: nn.Module, fallback: str) -> DeployedLayer:
     input_q = slots["input"].quantizer
     kernel, why = linear_kernel(q, input_q, tuple(w.shape), w.device)
     if kernel == "int4pack_mm":
-        qt = Int4PackedCPUTensor.from_quantized(qt)
+        qt = Int4PackedCPUTensor.from_quantized(qt, int4_kernel_block(q, w.shape[1]))
     if kernel == "dequantize" and fallback == "dequantized":
         packed, kernel, why = qt.dequantize(), "dequantized", f"{why}; kept dequantized (fallback='dequantized')"
     else:
