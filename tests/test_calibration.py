@@ -414,3 +414,38 @@ def test_norms_without_parameters_and_an_enabled_norm_output():
     )
     fresh.load_state_dict(model.state_dict())
     assert_bitwise_equal(fresh(x), model(x))
+
+
+# --- data-free calibration (forward_loop=None) ---------------------------------------------------
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+
+
+@pytest.mark.parametrize("preset", ["int4_weight_only", "int8_weight_only", "int8_dynamic", "mxfp8"])
+def test_data_free_calibration_equals_calibration_with_data(preset):
+    """Configs whose activations need no calibration: forward_loop=None runs no forward pass and
+    gives the model calibration with data gives (weight amaxes come from the weights)."""
+    calls = []
+    free, with_data = _mlp(), _mlp()
+    free.register_forward_pre_hook(lambda m, a: calls.append(1))
+    tq.calibrate(free, getattr(tq.configs, preset)(), None, progress=False)
+    assert not calls
+    x = torch.randn(8, 128)
+    tq.calibrate(with_data, getattr(tq.configs, preset)(), lambda m: m(x), progress=False)
+    assert torch.equal(free(x), with_data(x))
+    assert str(tq.summary(free)) == str(tq.summary(with_data))
+
+
+def test_data_free_refuses_what_needs_data_and_leaves_the_model():
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"cannot calibrate the static activation amaxes of '0' \(input: IntQuantizer"):
+        tq.calibrate(model, tq.configs.int8(), None, progress=False)
+    assert type(model[0]) is nn.Linear and all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+    with pytest.raises(ValueError, match="algorithm='GPTQ.*needs calibration data"):
+        tq.calibrate(model, tq.configs.int4_weight_only(32), None, algorithm="gptq", progress=False)
+    with pytest.raises(ValueError, match="needs calibration data"):
+        tq.calibrate(model, tq.configs.int8_weight_only(), None, algorithm="percentile", progress=False)
+    with pytest.raises(TypeError, match="forward_loop must be a callable taking the model, or None"):
+        tq.calibrate(model, tq.configs.int8_weight_only(), 3, progress=False)

@@ -160,9 +160,16 @@ def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
         raise TypeError(
             f"tq.calibrate: config must be a tq.calibration.QuantConfig (e.g. tq.configs.int8()), got {type(config).__name__}"
         )
-    if not callable(forward_loop):
-        raise TypeError(f"tq.calibrate: forward_loop must be a callable taking the model, got {type(forward_loop).__name__}")
+    if forward_loop is not None and not callable(forward_loop):
+        raise TypeError(
+            f"tq.calibrate: forward_loop must be a callable taking the model, or None (data-free), got {type(forward_loop).__name__}"
+        )
     algo = parse_algorithm(algorithm)
+    if forward_loop is None and (algo.transforms or algo.scale_search != "max"):
+        raise ValueError(
+            f"tq.calibrate: algorithm={algo.describe()!r} needs calibration data; forward_loop=None (data-free) allows "
+            "'max' only: static weight amaxes from the weights, round to nearest"
+        )
     if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
         raise ValueError(f"tq.calibrate: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
     groups = tuple(amax_groups or ())
@@ -175,7 +182,7 @@ def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
 def calibrate(
     model: nn.Module,
     config: QuantConfig,
-    forward_loop: Callable[[nn.Module], object],
+    forward_loop: Callable[[nn.Module], object] | None,
     *,
     algorithm: str | Algorithm | Sequence[str | Algorithm] = "max",
     percentile: float = 99.99,
@@ -196,6 +203,10 @@ def calibrate(
         config: a `QuantConfig`, e.g. `tq.configs.int8()`.
         forward_loop: ``forward_loop(model)`` runs the calibration data through the model.
             It runs once, or twice for "percentile" and "mse" (a second pass fills histograms).
+            None: data-free, no forward pass at all: for configs whose activations need no
+            calibration (weight-only, or activation scales computed at run time, such as
+            `tq.configs.int8_dynamic()` and the MX presets) with the "max" algorithm; a static
+            activation amax it cannot calibrate is an error naming its layer.
         algorithm: a scale search, "max", "percentile" or "mse" (see the module docstring); a weight
             transform, "gptq", "awq", "smoothquant" or a `tq.GPTQ` / `tq.AWQ` / `tq.SmoothQuant`
             with its knobs (`tqcompile.calibration.transforms`, docs/ptq.md); or an ordered tuple
@@ -249,13 +260,16 @@ def calibrate(
                     # reductions line up across ranks whatever data each one got.
                     t.stat_max = torch.full((t.num_experts,) if t.num_experts else (), -1.0, device=module_device(p.module))
         search = algo.scale_search
-        _run(
-            model,
-            forward_loop,
-            [p.module for p in planned],
-            "calibrating" if search == "max" else "calibrating (1/2: max)",
-            progress,
-        )
+        if forward_loop is None:
+            _check_data_free(planned)
+        else:
+            _run(
+                model,
+                forward_loop,
+                [p.module for p in planned],
+                "calibrating" if search == "max" else "calibrating (1/2: max)",
+                progress,
+            )
         _reduce([t.stat_max for t in tqs if t.stat_max is not None], groups)
         if search != "max":
             hist_tqs = [t for t in tqs if _uses_histogram(t)]
@@ -342,6 +356,24 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     return (
         t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not t.quantizer.has_global_scale()
     )
+
+
+def _check_data_free(planned: list[Decision]) -> None:
+    """forward_loop=None: every enabled quantizer must take its scales from the weights or from
+    the tensor at run time; a static activation amax needs data."""
+    static = [
+        f"{p.name!r} ({t.role}: {t.quantizer!r})"
+        for p in planned
+        for t in p.module.quantizers().values()
+        if t.role != "weight" and t.quantizer is not None and t.static_kind is not None
+    ]
+    if static:
+        shown = ", ".join(static[:3]) + (f" and {len(static) - 3} more" if len(static) > 3 else "")
+        raise ValueError(
+            f"tq.calibrate: forward_loop=None (data-free) cannot calibrate the static activation amaxes of {shown}; "
+            "pass a forward_loop, or use a config whose activations need no calibration (weight-only, "
+            "tq.configs.int8_dynamic(), the MX presets)"
+        )
 
 
 def _finalize(planned: list[Decision], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
