@@ -340,14 +340,21 @@ def test_qat_continues_from_gptq():
     assert losses[-1] < losses[0], losses
 
 
-def test_failed_calibration_puts_the_weights_back():
+@pytest.mark.parametrize("replay, failing_call", [(True, 2), (False, 3)])
+def test_failed_calibration_puts_the_weights_back(replay, failing_call, monkeypatch):
+    # Replaying layers on cached inputs (tqcompile.calibration.replay), forward_loop runs twice: the
+    # capture, then the activation amaxes, after every group is transformed; a pass per group
+    # (REPLAY off): its third call comes after two groups are transformed.
+    from tqcompile.calibration import transforms
+
+    monkeypatch.setattr(transforms, "REPLAY", replay)
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
 
     def loop(m):
         calls.append(1)
-        if len(calls) == 3:  # the third group's pass: two groups are already transformed
+        if len(calls) == failing_call:
             raise RuntimeError("data loader died")
         _loop(m)
 

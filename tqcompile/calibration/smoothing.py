@@ -72,6 +72,11 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> 
 
 
 def _runner(ctx: Context):
+    """What a fold is proved on: the replayed layer on its first cached batch (a fold inside the
+    layer that leaves its output unchanged leaves the model's unchanged), else the model on its
+    first calibration batch."""
+    if ctx.fold_runner is not None:
+        return ctx.fold_runner
     args, kwargs = ctx.probe if ctx.probe is not None else ((), {})
     return lambda: ctx.root(*args, **kwargs)
 
@@ -114,7 +119,7 @@ def _find_folds(ctx: Context, members: list, recorder: FoldRecorder) -> tuple[li
 
 
 def _cannot_prove(ctx: Context) -> str | None:
-    if ctx.probe is None:
+    if ctx.probe is None and ctx.fold_runner is None:
         return "forward_loop never called the model itself (only its submodules), so no fold could be proved; call the model"
     with torch.no_grad():
         if not outputs(_runner(ctx)()):

@@ -42,11 +42,16 @@ from tqcompile.calibration.layer_stats import (
     weight_of,
 )
 from tqcompile.calibration.modules import kind_of, module_device
+from tqcompile.calibration import replay
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.calibration.smoothing import smooth
 from tqcompile.surgery.names import canonical_modules, unwrap
 
-__all__ = ["run_transforms", "sequential_groups"]
+__all__ = ["run_transforms", "sequential_groups", "REPLAY"]
+
+# Run decoder-layer chains on cached inputs (`tqcompile.calibration.replay`); False: one pass of
+# forward_loop per group, as before (the tests compare the two).
+REPLAY = True
 
 
 def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[tuple[str, list]]:
@@ -82,8 +87,30 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     device = module_device(units[0][1]) if units else torch.device("cpu")
     ctx = Context(model, root, forward_loop, plan, tuple(amax_groups), progress, undo, names, tied_parameters(model), device)
     groups = sequential_groups(model, units, sequential)
+    by_first = {c.first: c for c in (replay.chains(model, [g for g, _ in groups]) if REPLAY and sequential else [])}
+    chain = None
     for i, (gname, members) in enumerate(groups):
-        _run_group(ctx, members, f"{plan.describe()}: group {i + 1}/{len(groups)} ({gname})")
+        desc = f"{plan.describe()}: group {i + 1}/{len(groups)} ({gname})"
+        if i in by_first:
+            chain = by_first[i]
+            handle = _capture_probe(ctx) if ctx.probe is None else None
+            try:
+                if not replay.capture(chain, lambda: run_loop(ctx.model, ctx.forward_loop, [], f"{desc}: capturing layer inputs", ctx.progress)):
+                    chain = None  # the model does not hand each layer's output to the next: whole-model passes
+            finally:
+                if handle is not None:
+                    handle.remove()
+        if chain is not None and chain.first <= i <= chain.last:
+            index = i - chain.first
+            ctx.fold_runner = lambda: replay.first_output(chain, index)
+            try:
+                _run_group(ctx, members, desc, lambda: replay.replay(chain, index, advance=False), chain.modules[index])
+            finally:
+                ctx.fold_runner = None
+            replay.replay(chain, index, advance=i < chain.last)
+            ctx.replayed += 1
+        else:
+            _run_group(ctx, members, desc)
         ctx.finished.update(id(input_module(u)) for u in members)
     if ctx.unsmoothed:
         warnings.warn(
@@ -110,7 +137,10 @@ def _capture_probe(ctx: Context):
     return ctx.root.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _run_group(ctx: Context, members: list, desc: str) -> None:
+def _run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.Module | None = None) -> None:
+    """Collect the group's statistics by one pass of the data (`run_data`: the group's `layer` on its
+    cached inputs, `tqcompile.calibration.replay`; None: the user's whole `forward_loop`), then
+    transform and round its layers."""
     plan = ctx.plan
     need_h = plan.gptq is not None or isinstance(plan.smoothing, AWQ)
     stats = {}
@@ -119,9 +149,14 @@ def _run_group(ctx: Context, members: list, desc: str) -> None:
         stats[id(u)] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, need_h)
         u.input_quantizer.observer = stats[id(u)]
     handles = [_capture_probe(ctx)] if ctx.probe is None else []
-    recorder = FoldRecorder(ctx.model, ctx.root, members, input_module) if plan.smoothing is not None else None
+    # The producers of the layers' inputs are recorded on the first call of the model, or of the
+    # replayed layer (they are inside it).
+    recorder = FoldRecorder(ctx.model, layer or ctx.root, members, input_module) if plan.smoothing is not None else None
     try:
-        run_loop(ctx.model, ctx.forward_loop, members, desc, ctx.progress)
+        if run_data is None:
+            run_loop(ctx.model, ctx.forward_loop, members, desc, ctx.progress)
+        else:
+            run_data()
     finally:
         for u in members:
             u.input_quantizer.observer = None

@@ -1,0 +1,146 @@
+"""Sequential weight transforms replay decoder layers on cached inputs (tqcompile.calibration.replay).
+
+Each decoder layer runs a bounded number of times per batch whatever the depth, and the results
+are bit for bit those of one `forward_loop` pass per layer (the path before replay, still taken
+where the model does not hand each layer's output to the next one unchanged).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tqcompile as tq
+from tqcompile.calibration import transforms
+
+transformers = pytest.importorskip("transformers")
+
+BATCHES = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def loop(m):
+    for b in BATCHES:
+        m(b)
+
+
+def llama(layers: int) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, vocab_size=256
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def gpt_oss() -> nn.Module:
+    cfg = transformers.GptOssConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def mixtral() -> nn.Module:
+    cfg = transformers.MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def calibrate_counting(model, layers, config, algorithm, replay: bool, monkeypatch) -> int:
+    monkeypatch.setattr(transforms, "REPLAY", replay)
+    calls = [0]
+    for layer in layers(model):
+        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    tq.calibrate(model, config, loop, algorithm=algorithm, progress=False)
+    return calls[0]
+
+
+@pytest.mark.parametrize("depth", [2, 6])
+def test_each_layer_runs_a_bounded_number_of_times(depth, monkeypatch):
+    """Capture, statistics, hand-off, activation amaxes: 4 calls a layer per batch, where a pass of
+    forward_loop per layer makes it grow with the depth."""
+    cfg = tq.configs.int4_weight_only(32)
+    replayed = calibrate_counting(llama(depth), lambda m: m.model.layers, cfg, "gptq", True, monkeypatch)
+    whole = calibrate_counting(llama(depth), lambda m: m.model.layers, cfg, "gptq", False, monkeypatch)
+    b = len(BATCHES)
+    assert replayed == 4 * depth * b
+    assert whole == depth * (depth * b) + depth * b  # one pass per layer, then the amax pass
+    if depth == 6:
+        assert replayed < whole / 1.5
+
+
+@pytest.mark.parametrize(
+    "make, preset, algorithm",
+    [
+        (lambda: llama(3), "int4_weight_only", "gptq"),
+        (lambda: llama(3), "int4_weight_only", "awq"),
+        (lambda: llama(3), "int8", ("smoothquant", "gptq")),
+        (mixtral, "int4_weight_only", "gptq"),
+        (gpt_oss, "int4_weight_only", "awq"),  # sliding-window and full-attention layers: each keeps its mask
+    ],
+)
+def test_replay_equals_a_pass_per_layer(make, preset, algorithm, monkeypatch):
+    config = tq.configs.int4_weight_only(32) if preset == "int4_weight_only" else getattr(tq.configs, preset)()
+    base = make()
+    results = []
+    for replay in (True, False):
+        model = copy.deepcopy(base)
+        monkeypatch.setattr(transforms, "REPLAY", replay)
+        tq.calibrate(model, config, loop, algorithm=algorithm, progress=False)
+        with torch.no_grad():
+            results.append((model(BATCHES[0]).logits, model.state_dict(), tq.quant_state(model)))
+    (a_logits, a_state, a_q), (b_logits, b_state, b_q) = results
+    assert torch.equal(a_logits, b_logits)
+    assert a_state.keys() == b_state.keys() and all(torch.equal(a_state[k], b_state[k]) for k in a_state)
+    assert a_q.keys() == b_q.keys() and str(a_q) == str(b_q)
+
+
+class _Scaled(nn.Module):
+    """Layers in a ModuleList, but the model scales the stream between them: no direct hand-off."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * 0.5
+        return x
+
+
+def test_no_direct_hand_off_runs_a_pass_per_layer(monkeypatch):
+    data = [torch.randn(4, 64) for _ in range(3)]
+    results, counts = [], []
+    for replay in (True, False):
+        model = _Scaled()
+        monkeypatch.setattr(transforms, "REPLAY", replay)
+        calls = [0]
+        for layer in model.layers:
+            layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in data], algorithm="gptq", progress=False)
+        results.append(model(data[0]))
+        counts.append(calls[0])
+    assert torch.equal(results[0], results[1])
+    assert counts[0] == counts[1] + 3 * len(data)  # the capture pass found no hand-off, then the old passes
