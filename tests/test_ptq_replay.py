@@ -138,7 +138,7 @@ def test_no_direct_hand_off_runs_a_pass_per_layer(monkeypatch):
         monkeypatch.setattr(transforms, "REPLAY", replay)
         calls = [0]
         for layer in model.layers:
-            layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+            layer.register_forward_pre_hook(lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1))
         tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in data], algorithm="gptq", progress=False)
         results.append(model(data[0]))
         counts.append(calls[0])
