@@ -22,11 +22,13 @@ A weight held by two modules (a tied lm_head and embedding) is never changed by 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 from torch import nn
 
+from tqcompile.calibration import replay
 from tqcompile.calibration.algorithms import AWQ, AlgorithmPlan
 from tqcompile.calibration.fake_quant import round_to_nearest, static_weight_amax
 from tqcompile.calibration.folds import FoldRecorder
@@ -42,7 +44,6 @@ from tqcompile.calibration.layer_stats import (
     weight_of,
 )
 from tqcompile.calibration.modules import kind_of, module_device
-from tqcompile.calibration import replay
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.calibration.smoothing import smooth
 from tqcompile.surgery.names import canonical_modules, unwrap
@@ -95,16 +96,17 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
             chain = by_first[i]
             handle = _capture_probe(ctx) if ctx.probe is None else None
             try:
-                if not replay.capture(chain, lambda: run_loop(ctx.model, ctx.forward_loop, [], f"{desc}: capturing layer inputs", ctx.progress)):
+                capture_pass = functools.partial(run_loop, ctx.model, ctx.forward_loop, [], f"{desc}: capturing layer inputs", ctx.progress)
+                if not replay.capture(chain, capture_pass):
                     chain = None  # the model does not hand each layer's output to the next: whole-model passes
             finally:
                 if handle is not None:
                     handle.remove()
         if chain is not None and chain.first <= i <= chain.last:
             index = i - chain.first
-            ctx.fold_runner = lambda: replay.first_output(chain, index)
+            ctx.fold_runner = functools.partial(replay.first_output, chain, index)
             try:
-                _run_group(ctx, members, desc, lambda: replay.replay(chain, index, advance=False), chain.modules[index])
+                _run_group(ctx, members, desc, functools.partial(replay.replay, chain, index, advance=False), chain.modules[index])
             finally:
                 ctx.fold_runner = None
             replay.replay(chain, index, advance=i < chain.last)
