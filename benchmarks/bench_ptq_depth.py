@@ -1,0 +1,121 @@
+"""GPTQ's cost against depth: decoder-layer forward calls, time and peak memory of `tq.calibrate`
+(W4 g128) on Llamas of growing depth, replaying layers on cached inputs against one pass of
+`forward_loop` per layer (the path before `tqcompile.calibration.replay`), and llmcompressor 0.14's
+sequential pipeline beside them when its Python is given (it needs its own environment).
+
+A Llama from a config (hidden 512, intermediate 1408, 8 heads, vocab 4096, float32), 16 calibration
+sequences of 256 tokens in batches of 1, as in issue 28's table. Each variant runs in a fresh
+process (peak RSS is the process's).
+
+    python benchmarks/bench_ptq_depth.py [--layers 2 4 8 16] [--llmc-python /path/to/venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HIDDEN, INTER, HEADS, VOCAB, SEQS, TOKENS = 512, 1408, 8, 4096, 16, 256
+
+
+def _model(layers: int):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, vocab_size=VOCAB, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _data():
+    import torch
+
+    return torch.randint(0, VOCAB, (SEQS, TOKENS), generator=torch.Generator().manual_seed(1))
+
+
+def _count_calls(model) -> list[int]:
+    calls = [0]
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda *_, c=calls: c.__setitem__(0, c[0] + 1))
+    return calls
+
+
+def run_tq(layers: int, replay: bool) -> dict:
+    import torch
+
+    import tqcompile as tq
+    from tqcompile.calibration import transforms
+
+    torch.set_num_threads(2)
+    transforms.REPLAY = replay
+    model, data = _model(layers), _data()
+    calls = _count_calls(model)
+    t = time.perf_counter()
+    tq.calibrate(model, tq.configs.int4_weight_only(128), lambda m: [m(row[None]) for row in data], algorithm="gptq", progress=False)
+    return {"calls": calls[0], "seconds": time.perf_counter() - t, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_llmc(layers: int) -> dict:
+    import torch
+    from bench_ptq_algorithms import byte_tokenizer  # oneshot insists on a processor when given a dataset
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    data = _data()
+    ds = Dataset.from_dict({"input_ids": data.tolist(), "attention_mask": torch.ones_like(data).tolist()})
+    with tempfile.TemporaryDirectory() as d:
+        # oneshot reads the model's config and the processor from a directory
+        _model(layers).save_pretrained(d)
+        byte_tokenizer().save_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        calls = _count_calls(model)
+        t = time.perf_counter()
+        oneshot(
+            model=model,
+            dataset=ds,
+            processor=d,
+            recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+            num_calibration_samples=SEQS,
+            max_seq_length=TOKENS,
+            shuffle_calibration_samples=False,
+        )
+    return {"calls": calls[0], "seconds": time.perf_counter() - t, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _child(python: str, what: str, layers: int) -> dict | str:
+    code = f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_ptq_depth as b; print('@@' + json.dumps(b.{what}))"
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("@@")), None)
+    return json.loads(line[2:]) if line else f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--llmc-python", default=None, help="llmcompressor 0.14's Python (its own venv)")
+    args = ap.parse_args()
+    print(f"GPTQ W4 g128, Llama hidden {HIDDEN}, {SEQS} x {TOKENS} tokens, 2 threads; calls = decoder-layer forward calls\n")
+    print("| L | tq replay: calls / s / peak MiB | tq pass per layer: calls / s / peak MiB | llmcompressor 0.14: calls / s / peak MiB |")
+    print("|---|---|---|---|")
+    for n in args.layers:
+        cells = []
+        for what, python in ((f"run_tq({n}, True)", sys.executable), (f"run_tq({n}, False)", sys.executable), (f"run_llmc({n})", args.llmc_python)):
+            r = _child(python, what, n) if python else "not run (--llmc-python)"
+            cells.append(r if isinstance(r, str) else f"{r['calls']} / {r['seconds']:.1f} / {r['peak_mib']:.0f}")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
