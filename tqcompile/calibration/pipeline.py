@@ -262,6 +262,8 @@ def calibrate(
         search = algo.scale_search
         if forward_loop is None:
             _check_data_free(planned)
+        elif algo.transforms and search == "max" and not _activations_enabled(planned):
+            pass  # the transforms ran the data; with no activation quantizer a pass would record nothing
         else:
             _run(
                 model,
@@ -356,6 +358,11 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     return (
         t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not t.quantizer.has_global_scale()
     )
+
+
+def _activations_enabled(planned: list[Decision]) -> bool:
+    """Whether any input or output quantizer is enabled (a pass of the data calibrates or checks it)."""
+    return any(t.role != "weight" and t.quantizer is not None for p in planned for t in p.module.quantizers().values())
 
 
 def _check_data_free(planned: list[Decision]) -> None:

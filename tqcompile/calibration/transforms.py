@@ -92,24 +92,20 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     chain = None
     for i, (gname, members) in enumerate(groups):
         desc = f"{plan.describe()}: group {i + 1}/{len(groups)} ({gname})"
-        if i in by_first:
-            chain = by_first[i]
-            handle = _capture_probe(ctx) if ctx.probe is None else None
-            try:
-                capture_pass = functools.partial(run_loop, ctx.model, ctx.forward_loop, [], f"{desc}: capturing layer inputs", ctx.progress)
-                if not replay.capture(chain, capture_pass):
-                    chain = None  # the model does not hand each layer's output to the next: whole-model passes
-            finally:
-                if handle is not None:
-                    handle.remove()
-        if chain is not None and chain.first <= i <= chain.last:
+        chain = by_first.get(i, chain)
+        if chain is not None and i == chain.first:
+            # The chain's first layer: its statistics from the pass of forward_loop that captures the chain's inputs.
+            if not _first_of_chain(ctx, chain, members, desc):
+                chain = None  # the model does not hand each layer's output to the next: a pass per group
+        elif chain is not None and chain.first < i <= chain.last:
             index = i - chain.first
             ctx.fold_runner = functools.partial(replay.first_output, chain, index)
             try:
                 _run_group(ctx, members, desc, functools.partial(replay.replay, chain, index, advance=False), chain.modules[index])
             finally:
                 ctx.fold_runner = None
-            replay.replay(chain, index, advance=i < chain.last)
+            if i < chain.last:  # the next layer's inputs
+                replay.replay(chain, index, advance=True)
             ctx.replayed += 1
         else:
             _run_group(ctx, members, desc)
@@ -128,6 +124,27 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
             stacklevel=3,
         )
     return {k: "+".join(v) for k, v in ctx.methods.items()}, ctx.amaxes
+
+
+def _first_of_chain(ctx: Context, chain, members: list, desc: str) -> bool:
+    """Run the group of the chain's first layer on one pass of forward_loop that also captures the
+    chain's inputs (`replay.capture`), then hand its rounded outputs on; False where the capture
+    found no hand-off (the group itself is done either way: its statistics came from a whole pass)."""
+    captured = [False]
+
+    def run_data():
+        captured[0] = replay.capture(chain, functools.partial(run_loop, ctx.model, ctx.forward_loop, members, desc, ctx.progress))
+        if captured[0]:
+            ctx.fold_runner = functools.partial(replay.first_output, chain, 0)
+
+    try:
+        _run_group(ctx, members, desc, run_data, chain.modules[0])
+    finally:
+        ctx.fold_runner = None
+    if captured[0]:
+        replay.replay(chain, 0, advance=True)
+        ctx.replayed += 1
+    return captured[0]
 
 
 def _capture_probe(ctx: Context):
