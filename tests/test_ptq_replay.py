@@ -26,45 +26,30 @@ def loop(m):
         m(b)
 
 
-def llama(layers: int) -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, vocab_size=256
-    )
+SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
+def _build(config) -> nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def llama(layers: int) -> nn.Module:
+    return _build(transformers.LlamaConfig(intermediate_size=128, num_hidden_layers=layers, **SMALL))
 
 
 def gpt_oss() -> nn.Module:
-    cfg = transformers.GptOssConfig(
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    return _build(
+        transformers.GptOssConfig(
+            intermediate_size=64, num_hidden_layers=4, head_dim=16, sliding_window=4, layer_types=layer_types, **SMALL, **EXPERTS
+        )
     )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def mixtral() -> nn.Module:
-    cfg = transformers.MixtralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    return _build(transformers.MixtralConfig(intermediate_size=128, num_hidden_layers=3, **SMALL, **EXPERTS))
 
 
 def calibrate_counting(model, layers, config, algorithm, replay: bool, monkeypatch) -> int:
