@@ -168,8 +168,7 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> list[DeployedL
         elif wq.static_kind == "tensor":  # one amax per expert: quantized per expert as the grouped path does
             e, n, k = w.shape
             ends = gops.equal_ends(e, n, w.device)
-            amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
-            amax = gops.grouped_amax(w.reshape(e * n, k), q, ends, False) if amax is None else amax.reshape(e)
+            amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}").reshape(e)
             data, scale_inv = gops.grouped_quantize(w.reshape(e * n, k), q, ends, amax, None, False)
             packed = GroupedQuantizedTensor(w.shape, q, w.dtype, None, _data=data, _scale_inv=scale_inv, _amax=amax)
         else:
@@ -234,6 +233,12 @@ def compress(model: nn.Module, *, fallback: str = "packed") -> nn.Module:
         if what == "linear":
             _check_dense(f"{name}.weight", module.weight)
             _static_amax(slots_of(module)["weight"], f"the weight quantizer of {name!r}")
+            continue
+        for g in module.tq_experts_layout.gemms:
+            unit = module._modules[f"{g.weight}_gemm"]
+            _check_dense(f"{name}.{g.weight}", unit.weight)
+            if unit.weight_quantizer.enabled:
+                _static_amax(unit.weight_quantizer, f"the weight quantizer of {name}.{g.weight}")
     for what, name, module in todo:
         if what == "linear":
             _pack_linear(name, module, fallback)
