@@ -4,9 +4,9 @@ Order of work, so that a failure leaves the model exactly as it was:
 
 1. plan: match the config against every module (nothing is changed yet; bad configs raise here);
 2. convert the planned modules; with a weight transform (GPTQ, AWQ, SmoothQuant), run it first
-   (`tqcompile.calibration.transforms`: one pass of ``forward_loop`` per decoder layer, then the
-   layer's weights are transformed and rounded); then run ``forward_loop(model)`` with the quantizers recording
-   statistics (the model computes in high precision while calibrating, so every layer sees the
+   (`tqcompile.calibration.transforms`: decoder layer by decoder layer, each on the outputs of the
+   ones before it as transformed and rounded, replayed on cached inputs, `tqcompile.calibration.replay`);
+   then run ``forward_loop(model)`` with the quantizers recording statistics (the model computes in high precision while calibrating, so every layer sees the
    float model's activations); if anything raises, the conversion is undone and the model's
    buffers (e.g. BatchNorm running statistics) and any weight a transform changed are put back;
 3. turn the statistics into amaxes (the algorithm), compute weight amaxes from the weights, and
@@ -218,10 +218,13 @@ def calibrate(
             (and histogram) is reduced, once at the end of each pass, so all ranks get the same
             scales: the ones a single process would get from the union of their data.
         progress: show a progress bar (tqdm) counting the model's forward calls.
-        sequential: with a weight transform, run `forward_loop` once per decoder layer (each element
-            of a ``ModuleList``), keeping only that layer's statistics, each layer calibrated on the
-            outputs of the layers before it as transformed; False: one pass for the whole model
-            (faster, more memory: every layer's Hessian at once).
+        sequential: with a weight transform, calibrate decoder layers (the elements of a
+            ``ModuleList``) one after another, keeping only that layer's statistics, each on the
+            outputs of the layers before it as transformed: one pass of `forward_loop` captures the
+            layers' inputs and each layer is then replayed on them (3 runs a layer per batch,
+            whatever the depth; `tqcompile.calibration.replay`), or, where the model does not hand
+            each layer's output to the next, one pass per layer. False: one pass for the whole
+            model (every layer's Hessian at once; later layers see the float model's inputs).
 
     Returns:
         `model`, fake-quantized: it now computes ``dequantize(quantize(x))`` at every enabled

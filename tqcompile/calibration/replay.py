@@ -8,8 +8,9 @@ in depth. A *chain* is a run of groups that are consecutive elements of one ``Mo
 decoder layers) where the model hands each layer's output straight to the next one. For a chain,
 one pass of ``forward_loop`` captures, per batch, the first layer's input (the residual stream) and
 every layer's other arguments (masks, position embeddings: references to the tensors the model made,
-shared between layers); then each layer runs on its cached inputs: once to collect the statistics
-of its transform, once, transformed and rounded, to compute the next layer's inputs. The model's
+shared between layers), and gives the first layer its statistics; then each later layer runs on its
+cached inputs once to collect the statistics of its transform, and each layer but the last once,
+transformed and rounded, to compute the next layer's inputs: 3 runs a layer per batch. The model's
 own hand-off is checked while capturing, not assumed: each layer's input must be the very tensor
 the previous layer returned (object identity, on every call); where it is not (an op between the
 layers, a layer skipped), the chain falls back to whole-model passes, as before. A layer's KV

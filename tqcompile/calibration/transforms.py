@@ -4,9 +4,11 @@ The model is cut into sequential groups: each element of a ``ModuleList`` (a dec
 an ``nn.Sequential`` of blocks (timm's ``blocks``), is one group; consecutive layers outside those
 form one group together; ``sequential=False`` makes one group. For each group, in order:
 
-1. one pass of ``forward_loop`` collects, for each of the group's Linear and experts layers, its
-   input statistics (`tqcompile.calibration.layer_stats`): the Hessian ``2 X^T X / n`` (float64,
-   in x in; per expert for experts), the per-channel max and mean of ``|x|`` (reduced across
+1. one pass of the data (for consecutive decoder layers, the group's layer replayed on its cached
+   inputs, `tqcompile.calibration.replay`; elsewhere a pass of ``forward_loop``) collects, for
+   each of the group's Linear and experts layers, its input statistics
+   (`tqcompile.calibration.layer_stats`): the Hessian ``2 X^T X / n`` (float64, in x in; per
+   expert for experts), the per-channel max and mean of ``|x|`` (reduced across
    `amax_groups`: data-parallel ranks then compute the same transform from the union of their
    data). No activation is kept, whatever the number of calibration batches;
 2. SmoothQuant or AWQ computes per-input-channel scales and folds them into the op that produces
