@@ -100,7 +100,9 @@ def capture(chain: Chain, run_pass) -> bool:
                 ok[0] = False
                 return
             rest = args[1:] if positional else args
-            calls[i].append((rest, {k: v for k, v in kwargs.items() if k != "hidden_states"}, positional))
+            # Not the KV cache the model filled: holding every batch's would keep every layer's keys and values.
+            kept = {k: (_CACHE_ARGS[k] if k in _CACHE_ARGS else v) for k, v in kwargs.items() if k != "hidden_states"}
+            calls[i].append((rest, kept, positional))
             if i == 0:
                 streams.append(x.detach().clone())
 
@@ -129,7 +131,6 @@ def capture(chain: Chain, run_pass) -> bool:
 
 def _call(module: nn.Module, stream: torch.Tensor, call: tuple[tuple, dict, bool]):
     rest, kwargs, positional = call
-    kwargs = {k: (_CACHE_ARGS[k] if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
     return module(stream, *rest, **kwargs) if positional else module(*rest, hidden_states=stream, **kwargs)
 
 
