@@ -114,7 +114,6 @@ class Context:
     finished: set[int] = dataclasses.field(default_factory=set)  # layers of earlier groups: their weights are final
     unsmoothed: list[str] = dataclasses.field(default_factory=list)
     fell_back: list[str] = dataclasses.field(default_factory=list)
-    replayed: int = 0  # groups that ran on cached inputs (`tqcompile.calibration.replay`)
     fold_runner: object = None  # while a replayed group smooths: its layer on its first cached batch
 
     def tied(self, t: torch.Tensor) -> bool:

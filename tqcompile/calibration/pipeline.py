@@ -363,20 +363,20 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     )
 
 
+def _enabled_activation_quantizers(planned: list[Decision]):
+    """(layer name, TensorQuantizer) of every enabled input and output quantizer."""
+    return ((p.name, t) for p in planned for t in p.module.quantizers().values() if t.role != "weight" and t.quantizer is not None)
+
+
 def _activations_enabled(planned: list[Decision]) -> bool:
     """Whether any input or output quantizer is enabled (a pass of the data calibrates or checks it)."""
-    return any(t.role != "weight" and t.quantizer is not None for p in planned for t in p.module.quantizers().values())
+    return any(True for _ in _enabled_activation_quantizers(planned))
 
 
 def _check_data_free(planned: list[Decision]) -> None:
     """forward_loop=None: every enabled quantizer must take its scales from the weights or from
     the tensor at run time; a static activation amax needs data."""
-    static = [
-        f"{p.name!r} ({t.role}: {t.quantizer!r})"
-        for p in planned
-        for t in p.module.quantizers().values()
-        if t.role != "weight" and t.quantizer is not None and t.static_kind is not None
-    ]
+    static = [f"{name!r} ({t.role}: {t.quantizer!r})" for name, t in _enabled_activation_quantizers(planned) if t.static_kind is not None]
     if static:
         shown = ", ".join(static[:3]) + (f" and {len(static) - 3} more" if len(static) > 3 else "")
         raise ValueError(

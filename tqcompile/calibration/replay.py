@@ -50,6 +50,10 @@ class Chain:
     def last(self) -> int:
         return self.first + len(self.modules) - 1
 
+    def release(self) -> None:
+        """Free the cached inputs (the chain's last layer is done)."""
+        self.streams, self.calls = [], []
+
 
 def chains(model: nn.Module, group_names: list[str]) -> list[Chain]:
     """The chains among the groups (by name, in order): runs of two or more consecutive elements of
@@ -148,5 +152,3 @@ def replay(chain: Chain, index: int, advance: bool) -> None:
             out = _output_stream(_call(module, stream, chain.calls[index][b]))
             if advance:
                 chain.streams[b] = out.detach()
-    if advance and index == len(chain.modules) - 1:
-        chain.streams, chain.calls = [], []  # the chain is done: free its cache

@@ -108,7 +108,8 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
                 ctx.fold_runner = None
             if i < chain.last:  # the next layer's inputs
                 replay.replay(chain, index, advance=True)
-            ctx.replayed += 1
+            else:
+                chain.release()
         else:
             _run_group(ctx, members, desc)
         ctx.finished.update(id(input_module(u)) for u in members)
@@ -145,7 +146,6 @@ def _first_of_chain(ctx: Context, chain, members: list, desc: str) -> bool:
         ctx.fold_runner = None
     if captured[0]:
         replay.replay(chain, 0, advance=True)
-        ctx.replayed += 1
     return captured[0]
 
 

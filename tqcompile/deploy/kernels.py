@@ -122,12 +122,12 @@ def weight_only_mm(x: torch.Tensor, weight, kernel_scale: torch.Tensor | None, k
     raise ValueError(f"weight_only_mm: kernel={kernel!r}; allowed: 'int8pack_mm', 'int4pack_mm'")
 
 
-def _quantized_input(x2: torch.Tensor, input_quantizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scale_inv) of the (M, K) input, as the calibrated model's input quantizer makes them."""
+def _quantized_input(x2: torch.Tensor, input_quantizer):
+    """The (M, K) input quantized as the calibrated model's input quantizer quantizes it."""
     from tqcompile.tensor import quantize_usages
 
-    qt = quantize_usages(x2, None, input_quantizer.quantizer, rowwise=True, columnwise=False, seed=None, group_name=None, amax=input_quantizer.amax)
-    return qt._data, qt._scale_inv
+    q = input_quantizer.quantizer
+    return quantize_usages(x2, None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=input_quantizer.amax)
 
 
 def packed_linear(
@@ -147,15 +147,12 @@ def packed_linear(
     elif kernel == "int_mm":
         if x.device.type == "cuda" and x2.shape[0] <= 16:  # CUDA's _int_mm wants M > 16
             return F.linear(input_quantizer(x), weight.dequantize(), bias)
-        codes, sx = _quantized_input(x2, input_quantizer)
-        acc = torch._int_mm(codes, weight._data.t())
-        y = (acc.float() * sx.reshape(-1, 1) * weight._scale_inv.reshape(1, n)).to(x.dtype)
+        xq = _quantized_input(x2, input_quantizer)
+        acc = torch._int_mm(xq._data, weight._data.t())
+        y = (acc.float() * xq._scale_inv.reshape(-1, 1) * weight._scale_inv.reshape(1, n)).to(x.dtype)
     elif kernel == "scaled_mm":
-        from tqcompile.tensor import quantize_usages
-
-        q_in = input_quantizer.quantizer
-        xq = quantize_usages(x2, None, q_in, rowwise=True, columnwise=False, seed=None, group_name=None, amax=input_quantizer.amax)
-        y = ops.gemm_tn(xq._data, xq._scale_inv, xq._amax, q_in, weight._data, weight._scale_inv, weight._amax, weight.quantizer, x.dtype)
+        xq = _quantized_input(x2, input_quantizer)
+        y = ops.gemm_tn(xq._data, xq._scale_inv, xq._amax, xq.quantizer, weight._data, weight._scale_inv, weight._amax, weight.quantizer, x.dtype)
     else:
         raise ValueError(f"packed_linear: kernel={kernel!r} is not one of {KERNELS}")
     if bias is not None:

@@ -65,7 +65,7 @@ class _LinearPacked(PackedModule):
         return self.output_quantizer(y)
 
 
-def _dequantized_gemm_weight(unit: ExpertGemmQuantizers, w: torch.Tensor) -> torch.Tensor:
+def _dequantized_gemm_weight(w: torch.Tensor) -> torch.Tensor:
     """The (E, N, K) weight of one experts GEMM as the calibrated model computes with it."""
     if not isinstance(w, QuantizedTensor):
         return w  # the "dequantized" fallback, or a GEMM whose weight quantizer is disabled
@@ -88,7 +88,7 @@ class _ExpertsPacked(ExpertsRouting):
         g = self.tq_experts_layout.gemms[index]
         unit = self._modules[f"{g.weight}_gemm"]
         ends = torch.cumsum(counts.to(torch.int64), 0)
-        w = _dequantized_gemm_weight(unit, self._parameters[g.weight])
+        w = _dequantized_gemm_weight(self._parameters[g.weight])
         y = gops.grouped_mm(unit.input_quantizer(x, ends=ends), w, ends)
         if g.bias is not None:
             y = y + self._parameters[g.bias].to(y.dtype)[gops.expert_ids(ends, x.shape[0])]
@@ -132,10 +132,9 @@ def _check_dense(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"tq.compress: {name} is on the meta device; load the weights first")
 
 
-def _pack_linear(name: str, module: nn.Module, fallback: str) -> DeployedLayer:
+def _pack_linear(name: str, module: nn.Module, fallback: str) -> None:
     slots = slots_of(module)
     w = module.weight.detach()
-    _check_dense(f"{name}.weight", w)
     q = slots["weight"].quantizer
     amax = _static_amax(slots["weight"], f"the weight quantizer of {name!r}")
     qt = quantize_usages(w, None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
@@ -152,15 +151,12 @@ def _pack_linear(name: str, module: nn.Module, fallback: str) -> DeployedLayer:
         module.register_buffer("weight_kernel_scale", qt._scale_inv.reshape(-1).to(w.dtype))
     module.__class__ = generated_class(base_class(module), _LinearPacked)
     module.tq_kernel, module.tq_kernel_reason = kernel, why
-    return DeployedLayer(name, kernel, why, _bytes(packed))
 
 
-def _pack_experts(name: str, module: nn.Module, fallback: str) -> list[DeployedLayer]:
-    rows = []
+def _pack_experts(name: str, module: nn.Module, fallback: str) -> None:
     for g in module.tq_experts_layout.gemms:
         unit = module._modules[f"{g.weight}_gemm"]
         w = unit.weight.detach()  # the (E, N, K) GEMM view
-        _check_dense(f"{name}.{g.weight}", w)
         wq = unit.weight_quantizer
         q = wq.quantizer
         if q is None:
@@ -175,9 +171,7 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> list[DeployedL
             amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
             packed = quantize_usages(w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
         if fallback == "dequantized" and isinstance(packed, QuantizedTensor):
-            packed = _dequantized_gemm_weight(unit, packed)
-        kernel = "dequantized" if not isinstance(packed, QuantizedTensor) else "dequantize"
-        rows.append(DeployedLayer(f"{name}.{unit.attr_name}", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(packed)))
+            packed = _dequantized_gemm_weight(packed)
         module._parameters[g.weight] = nn.Parameter(packed, requires_grad=False)
     # The packed weights are stored in the GEMM's (E, out, in) view, whatever the model stored.
     gemms = tuple(dataclasses.replace(g, transposed=False) for g in module.tq_experts_layout.gemms)
@@ -185,7 +179,6 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> list[DeployedL
     for g in gemms:
         module._modules[f"{g.weight}_gemm"].gemm = g
     module.__class__ = generated_class(base_class(module), _ExpertsPacked)
-    return rows
 
 
 def compress(model: nn.Module, *, fallback: str = "packed") -> nn.Module:
