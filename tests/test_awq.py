@@ -6,6 +6,8 @@ or at least re-derives the clipped block scales (MX)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,7 +141,8 @@ def test_round_to_nearest_is_what_tq_calibrate_computes():
     model = nn.Sequential(nn.Linear(256, 64))
     tq.calibrate(model, tq.configs.int4_weight_only(block_size=32), lambda m: m(torch.randn(4, 256)), progress=False)
     lin = model[0]
-    assert torch.equal(lin.weight_quantizer(lin.weight), round_to_nearest(lin.weight.detach(), INT4_G32))
+    assert torch.equal(lin.weight_quantizer(lin.weight), round_to_nearest(lin.weight.detach(), lin.weight_quantizer.quantizer))
+    assert lin.weight_quantizer.quantizer == dataclasses.replace(INT4_G32, grid=tq.IntGrid.FULL)  # the preset's grid
 
 
 def test_dead_channels_and_zero_statistics_give_finite_scales():

@@ -135,9 +135,10 @@ def test_later_rules_override_and_default_disables():
     )
     model = MLP()
     tq.calibrate(model, cfg, _calib_loop([torch.randn(4, 64)]), progress=False)
-    assert model.fc1.weight_quantizer.quantizer == tq.IntQuantizer(granularity=tq.Granularity.ROWWISE)
+    full = tq.IntGrid.FULL  # the presets' integer grid
+    assert model.fc1.weight_quantizer.quantizer == tq.IntQuantizer(granularity=tq.Granularity.ROWWISE, grid=full)
     assert model.fc2.weight_quantizer.quantizer.format is tq.Format.INT4
-    assert model.fc2.input_quantizer.quantizer == tq.IntQuantizer()  # not touched by the later rule
+    assert model.fc2.input_quantizer.quantizer == tq.IntQuantizer(grid=full)  # not touched by the later rule
     assert not any(q.enabled for q in model.head.quantizers().values())  # the output head
     assert not any(q.enabled for q in model.norm.quantizers().values())  # norms appear, disabled
 

@@ -61,14 +61,19 @@ def logits(m: nn.Module) -> torch.Tensor:
 
 
 # --- the CPU INT4 kernel's layout -------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [tq.Format.INT4, tq.Format.INT3, tq.Format.INT2])
 @pytest.mark.parametrize("shape", [(64, 32), (128, 256), (192, 512)])
-def test_int4_layout_inverts_the_kernel_packing(shape):
+def test_int4_layout_inverts_the_kernel_packing(shape, fmt):
+    """Every code of the FULL grid (-8 for INT4) goes into the kernel's nibbles as c + 8 and back."""
     n, k = shape
-    codes = torch.randint(-7, 8, (n, k), generator=torch.Generator().manual_seed(n))
-    payload = tq.Format.INT4.codec.pack(tq.Format.INT4.codec.encode(codes.float()))
-    packed = int4_cpu.pack(payload)
+    q = tq.IntQuantizer(fmt, Granularity.BLOCKWISE_1D, block_size=32, grid=tq.IntGrid.FULL)
+    lo, hi = q.code_range()
+    codes = torch.randint(lo, hi + 1, (n, k), generator=torch.Generator().manual_seed(n))
+    assert int(codes.min()) == lo
+    payload = fmt.codec.pack(fmt.codec.encode(codes.float(), lo, hi))
+    packed = int4_cpu.pack(payload, q)
     assert torch.equal(packed, torch._convert_weight_to_int4pack_for_cpu((codes + 8).to(torch.int32), 1))
-    assert torch.equal(int4_cpu.unpack(packed), payload)
+    assert torch.equal(int4_cpu.unpack(packed, q), payload)
 
 
 # --- the rule -------------------------------------------------------------------------------
@@ -110,10 +115,11 @@ def test_the_kernel_rule(weight, inp, shape, device, kernel):
 def test_integer_kernels_are_within_rounding_of_the_exact_product(preset):
     """bf16: the deployed and the calibrated layer against the exact (fp64) product of the
     quantized operands, codes times fp32 scales. `_int_mm` sums the codes exactly, so only its
-    bf16 output and the bias add round (bf16's unit roundoff, 2^-8, each); the weight-only kernels
-    take bf16 scales (2^-8 of each weight) and round their output. The calibrated layer rounds both operands to
-    bf16 before its GEMM: the integer GEMM is closer to the exact product than it, the
-    weight-only kernels within 1.5x of its error (bf16 scales)."""
+    bf16 output and the bias add round (bf16's unit roundoff, 2^-8, each): it is closer to the
+    exact product than the calibrated layer, which rounds both operands to bf16 before its GEMM.
+    The weight-only kernels take bf16 scales (each weight within 2^-9 relative of its fp32-scaled
+    value, round to nearest) and round their bf16 output (2^-9 relative): within
+    2^-9 (sum |x||w| + |y|) of the exact product."""
     from tqcompile.tensor import quantize_usages
 
     torch.manual_seed(1)
@@ -139,10 +145,13 @@ def test_integer_kernels_are_within_rounding_of_the_exact_product(preset):
     assert bool((deployed_err <= 2.0**-7 * magnitude).all())
     if lin.tq_kernel == "int_mm":
         assert bool((deployed_err <= 2.0**-8 * ((exact - b).abs() + exact.abs()) * (1 + 2.0**-7)).all())
-    # Measured (this layer, seed 1): L2 error int_mm 0.042 / 0.043 against the calibrated layer's
-    # 0.050 / 0.050; int8pack_mm 0.057 and int4pack_mm 0.054 against 0.042 and 0.041 (bf16 scales).
-    ratio = float(deployed_err.norm() / calibrated_err.norm())
-    assert ratio <= (1.0 if lin.tq_kernel == "int_mm" else 1.5), ratio
+    # Measured (this layer, seed 1, FULL grid): L2 error int_mm 0.042 / 0.043 against the calibrated
+    # layer's 0.050 / 0.050; int8pack_mm 0.061 and int4pack_mm 0.065 against 0.040 and 0.040 (bf16
+    # scales; the weight-only bound below is met at 0.80 and 0.82 of itself).
+    if lin.tq_kernel == "int_mm":
+        assert float(deployed_err.norm() / calibrated_err.norm()) <= 1.0
+    else:
+        assert bool((deployed_err <= 2.0**-9 * (magnitude + exact.abs())).all())
 
 
 # --- the whole model, every preset ------------------------------------------------------------
@@ -312,14 +321,25 @@ def test_load_exported_checkpoints_compress(preset, tmp_path):
 
 @pytest.mark.parametrize("preset, algorithm", [("int4_weight_only", "gptq"), ("int8", "smoothquant"), ("int4_weight_only", "awq")])
 def test_models_made_by_the_ptq_algorithms_compress(preset, algorithm):
-    """GPTQ's rounded weights, SmoothQuant's and AWQ's folded scales: the packed model computes
-    what the calibrated model computes (float32: the kernels' summation order only)."""
+    """GPTQ's rounded weights, SmoothQuant's and AWQ's folded scales: each packed layer computes
+    what its calibrated layer computes on the same input (float32: the kernels' summation order
+    only). Layer by layer: end to end, a summation-order difference of 1e-7 upstream can move an
+    activation that lies on a rounding tie by one INT8 code (measured once in six held-out
+    batches with SmoothQuant W8A8: 2e-3 relative in the logits)."""
     m = llama()
     tq.calibrate(m, getattr(tq.configs, preset)(), lambda mm: mm(IDS), algorithm=algorithm, progress=False)
-    ref = logits(m)
-    tq.compress(m)
-    assert {r.kernel for r in tq.deploy.deployed_layers(m)} == {CPU_KERNEL[preset]}
-    assert float((logits(m) - ref).norm() / ref.norm()) < 1e-5
+    packed = tq.compress(copy.deepcopy(m))
+    assert {r.kernel for r in tq.deploy.deployed_layers(packed)} == {CPU_KERNEL[preset]}
+    seen = {}
+    names = [r.name for r in tq.deploy.deployed_layers(packed)]
+    hooks = [m.get_submodule(n).register_forward_hook(lambda mod, a, o, n=n: seen.__setitem__(n, (a[0], o))) for n in names]
+    with torch.no_grad():
+        m(IDS)
+        for h in hooks:
+            h.remove()
+        for n, (x, y) in seen.items():
+            assert float((packed.get_submodule(n)(x) - y).norm() / y.norm()) < 1e-5, n
+    assert len(seen) == len(names) == 14
 
 
 def test_bad_input_is_named(tmp_path):

@@ -45,7 +45,7 @@ def _check_amax(loaded, original, where, fmt: str = "compressed-tensors") -> Non
     element only if it lies within 2**-23 (relative) of a rounding tie, by one quantization step.
     (Weights are unaffected: their codes come back exactly whichever multiplier.) NVFP4's global
     scale is the multiplier itself in compressed-tensors (exact), its reciprocal in ModelOpt."""
-    fmax = 2688.0 if isinstance(loaded.quantizer, tq.NVFP4Quantizer) else loaded.quantizer.element_format().max_value
+    fmax = 2688.0 if isinstance(loaded.quantizer, tq.NVFP4Quantizer) else loaded.quantizer.scale_max()
     a, b = torch.div(fmax, loaded.amax), torch.div(fmax, original.amax.reshape(loaded.amax.shape))
     exact_multiplier = isinstance(loaded.quantizer, tq.NVFP4Quantizer) and fmt == "compressed-tensors"
     assert torch.equal(a, b) if exact_multiplier else torch.equal(1.0 / a, 1.0 / b), where
@@ -76,7 +76,7 @@ def _assert_logits_round_trip(model: nn.Module, loaded: nn.Module, ids: torch.Te
                 assert differ.float().mean() < 1e-3, n  # only elements on a tie
                 q = m.input_quantizer.quantizer
                 if isinstance(q, tq.IntQuantizer):  # by one step (FP8, NVFP4: to the neighbouring value)
-                    step = 1.0 / torch.div(q.element_format().max_value, m.input_quantizer.amax)
+                    step = 1.0 / torch.div(q.scale_max(), m.input_quantizer.amax)
                     assert torch.allclose((a - b).abs()[differ], step.expand_as(a)[differ], rtol=2**-20), n
             moved += int(differ.sum())
     if moved == 0:
@@ -232,10 +232,11 @@ def test_qat_continues_from_a_loaded_checkpoint(tmp_path):
     assert q_proj.weight.grad is not None and q_proj.weight_quantizer.enabled  # trained through fake quantization
 
 
-def _ct_quantized_checkpoint(path: str, scheme_name: str) -> nn.Module:
+def _ct_quantized_checkpoint(path: str, scheme_name: str, **weights) -> nn.Module:
     """A checkpoint that compressed-tensors' own code quantizes, as llmcompressor does: its
     `calculate_qparams` scales (symmetric INT: ``amax / 127.5``, codes down to -128) and its
-    compressor's packing, from a float model; returns that float model."""
+    compressor's packing, from a float model; returns that float model. `weights`: fields of the
+    preset's weight arguments to change (num_bits=3, group_size=32)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -244,7 +245,9 @@ def _ct_quantized_checkpoint(path: str, scheme_name: str) -> nn.Module:
 
     model = tiny_llama(seed=4)
     fmt = "pack-quantized"  # both presets quantize weights in groups of 128, stored packed
-    scheme = QuantizationScheme(**{**preset_name_to_scheme(scheme_name, ["Linear"]).model_dump(), "format": fmt})
+    preset = preset_name_to_scheme(scheme_name, ["Linear"]).model_dump()
+    preset["weights"].update(weights)
+    scheme = QuantizationScheme(**{**preset, "format": fmt})
     compressor = BaseCompressor.get_value_from_registry(fmt)
     os.makedirs(path)
     writer = ShardedWriter(path, 2**30)
@@ -274,11 +277,11 @@ def _ct_quantized_checkpoint(path: str, scheme_name: str) -> nn.Module:
 def test_checkpoint_quantized_by_compressed_tensors_loads_and_fine_tunes(tmp_path, scheme_name):
     path = str(tmp_path / "ct")
     _ct_quantized_checkpoint(path, scheme_name)
-    with pytest.warns(CalibrationWarning, match=r"-128 \(INT8\) or -8 \(INT4\)") as caught:
+    with pytest.warns(CalibrationWarning, match="scales have no tq amax") as caught:
         loaded = tq.load_exported(path)
     tensors = _read(path)
     inexact = [int(m) for w in caught for m in __import__("re").findall(r"(\d+) scales have no tq amax", str(w.message))]
-    n_scales = 0
+    n_scales = bottom = 0
     for n, m in _fake_quant_units(loaded).items():
         want = _decompress(path, tensors, n)  # compressed-tensors' own decompressor
         n_scales += tensors[f"{n}.weight_scale"].numel()
@@ -287,13 +290,14 @@ def test_checkpoint_quantized_by_compressed_tensors_loads_and_fine_tunes(tmp_pat
         assert torch.allclose(m.weight, want, rtol=2**-22, atol=0), n
         with torch.no_grad():
             fq = m.weight_quantizer(m.weight)
-        # tq's codes are symmetric: only the -128 / -8 codes move, to -127 / -7 at the loaded scale.
-        qmax = m.weight_quantizer.quantizer.element_format().max_value
+        # Loaded on the FULL grid, tq computes every code the checkpoint holds, -128 / -8 included.
+        q = m.weight_quantizer.quantizer
+        assert q.grid is tq.IntGrid.FULL, n
         group = m.weight.shape[1] // m.weight_quantizer.amax.shape[1]
-        scale = (1.0 / torch.div(qmax, m.weight_quantizer.amax)).repeat_interleave(group, 1)  # what tq dequantizes with
         codes = torch.round(want / tensors[f"{n}.weight_scale"].float().repeat_interleave(group, 1))
-        moved = fq != m.weight
-        assert torch.equal(moved, codes < -qmax) and torch.equal(fq[moved], (-qmax * scale)[moved]), n
+        bottom += int((codes == q.code_range()[0]).sum())
+        assert torch.equal(fq, m.weight), n
+    assert bottom > 0  # compressed-tensors' observer uses the bottom code, which a SYMMETRIC grid lacks
     assert sum(inexact) < n_scales  # most scales map back exactly; the warning counts the others
     assert_qat_lowers_the_loss(loaded, 96, 3)
 
@@ -375,9 +379,9 @@ def test_bad_input(tmp_path):
     # A scheme tq cannot express: the layer and the scheme named.
     qc_path = tmp_path / "a" / "config.json"
     cfg = json.load(open(qc_path))
-    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 2
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 5
     json.dump(cfg, open(qc_path, "w"))
-    with pytest.raises(ExportError, match=r"layer 'model.layers.0.\w+.\w+_proj'.*num_bits=2.*has no tq quantizer"):
+    with pytest.raises(ExportError, match=r"layer 'model.layers.0.\w+.\w+_proj'.*num_bits=5.*has no tq quantizer"):
         tq.load_exported(str(tmp_path / "a"))
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8, symmetric=False)
     json.dump(cfg, open(qc_path, "w"))

@@ -22,6 +22,7 @@ from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,
     Granularity,
+    IntGrid,
     IntQuantizer,
     MXQuantizer,
     NVFP4Quantizer,
@@ -45,6 +46,7 @@ __all__ = [
     "MXQuantizer",
     "NVFP4Quantizer",
     "IntQuantizer",
+    "IntGrid",
     "QuantizedTensor",
     "quantize",
     "Recipe",
@@ -71,4 +73,4 @@ __all__ = [
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors (a compressed model's packed ones too), recipes and quantizers (every
 # registered family, and the enums their fields hold).
-_torch.serialization.add_safe_globals([QuantizedTensor, _GroupedQuantizedTensor, _Int4PackedCPUTensor, Recipe, Format, Granularity, ScaleRounding, *_quantizer_families()])
+_torch.serialization.add_safe_globals([QuantizedTensor, _GroupedQuantizedTensor, _Int4PackedCPUTensor, Recipe, Format, Granularity, ScaleRounding, IntGrid, *_quantizer_families()])

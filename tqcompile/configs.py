@@ -1,4 +1,5 @@
-"""Named PTQ/QAT configs: `tq.configs.int8()`, `int8_dynamic()`, `int8_weight_only()`, `int4_weight_only()`, `fp8()`,
+"""Named PTQ/QAT configs: `tq.configs.int8()`, `int8_dynamic()`, `int8_weight_only()`, `int4_weight_only()`,
+`int_weight_only(bits)`, `fp8()`,
 `mxfp8()`, `mxfp6()`, `nvfp4()`.
 
 Each is a `QuantConfig` whose first rule enables quantizers on the GEMM layers (Linear,
@@ -33,9 +34,9 @@ from tqcompile.calibration.config import QuantConfig, QuantRule
 from tqcompile.calibration.modules import ExpertGemmQuantizers
 from tqcompile.formats import Format
 from tqcompile.nn.grouped import GroupedLinear
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntGrid, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
-__all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "default_disabled", "GEMM_LAYERS"]
+__all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "default_disabled", "GEMM_LAYERS"]
 
 GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear, ExpertGemmQuantizers)
 NORMS: tuple[type, ...] = (
@@ -79,30 +80,55 @@ def _preset(input_q, weight_q, ste: str) -> QuantConfig:
     )
 
 
-def int8(*, ste: str = "clipped") -> QuantConfig:
-    """W8A8: INT8 weights per output channel, INT8 activations per tensor (static, calibrated)."""
-    return _preset(IntQuantizer(Format.INT8), IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
+# The grid of the presets' integer weights (and static activations): FULL, the codes and scale rule
+# of llmcompressor's checkpoints, which the engines compute as stored (docs/ptq.md, "Integer grids").
+_GRID = IntGrid.FULL
 
 
-def int8_weight_only(*, ste: str = "clipped") -> QuantConfig:
-    """W8A16: INT8 weights per output channel; activations stay high precision."""
-    return _preset(False, IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
-
-
-def int8_dynamic(*, ste: str = "clipped") -> QuantConfig:
-    """W8A8 with dynamic activations (llmcompressor's and vLLM's W8A8): INT8 weights per output
-    channel, INT8 activations with one scale per token computed from each token (no static amax)."""
-    return _preset(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE), ste)
-
-
-def int4_weight_only(block_size: int | None = 128, *, ste: str = "clipped") -> QuantConfig:
-    """INT4 weights in blocks of `block_size` along the input dim, or one scale per output channel
-    (`block_size=None`, compressed-tensors' W4A16 "channel" strategy); activations stay high
-    precision. Layers whose input dim is not a multiple of `block_size` are left in high precision
-    (reported)."""
+def _int(fmt: Format, grid: IntGrid, granularity: Granularity = Granularity.TENSORWISE, block_size: int | None = None) -> IntQuantizer:
     if block_size is None:
-        return _preset(False, IntQuantizer(Format.INT4, Granularity.ROWWISE), ste)
-    return _preset(False, IntQuantizer(Format.INT4, Granularity.BLOCKWISE_1D, block_size=block_size), ste)
+        return IntQuantizer(fmt, granularity, grid=grid)
+    return IntQuantizer(fmt, Granularity.BLOCKWISE_1D, block_size=block_size, grid=grid)
+
+
+def int8(*, grid: IntGrid = _GRID, ste: str = "clipped") -> QuantConfig:
+    """W8A8 with static activations: INT8 weights per output channel, INT8 activations per tensor
+    with one calibrated (static) scale. Both on `grid` (default FULL: codes -128..127, scale
+    amax / 127.5, as llmcompressor's static W8A8). Not llmcompressor's default W8A8, which has
+    dynamic per-token activations: that is `int8_dynamic()`."""
+    return _preset(_int(Format.INT8, grid), _int(Format.INT8, grid, Granularity.ROWWISE), ste)
+
+
+def int8_weight_only(*, grid: IntGrid = _GRID, ste: str = "clipped") -> QuantConfig:
+    """W8A16: INT8 weights per output channel on `grid` (default FULL); activations stay high precision."""
+    return _preset(False, _int(Format.INT8, grid, Granularity.ROWWISE), ste)
+
+
+def int8_dynamic(*, grid: IntGrid = _GRID, ste: str = "clipped") -> QuantConfig:
+    """W8A8 with dynamic activations (llmcompressor's and vLLM's W8A8): INT8 weights per output
+    channel on `grid` (default FULL), INT8 activations with one scale per token computed from each
+    token (no static amax), on the SYMMETRIC grid: amax / 127, as vLLM quantizes them."""
+    weights, tokens = _int(Format.INT8, grid, Granularity.ROWWISE), _int(Format.INT8, IntGrid.SYMMETRIC, Granularity.ROWWISE)
+    return _preset(tokens, weights, ste)
+
+
+def int_weight_only(bits: int = 4, block_size: int | None = 128, *, grid: IntGrid = _GRID, ste: str = "clipped") -> QuantConfig:
+    """W{bits}A16: INT8, INT4, INT3 or INT2 weights in blocks of `block_size` along the input dim, or
+    one scale per output channel (`block_size=None`, compressed-tensors' "channel" strategy), on
+    `grid` (default FULL: codes -2**(bits-1)..2**(bits-1)-1, scale amax / ((2**bits - 1) / 2), as
+    llmcompressor's W4A16 / W3A16); activations stay high precision. Layers whose input dim is not a
+    multiple of `block_size` are left in high precision (reported). INT3 and INT2 are for GPTQ
+    (round to nearest at 3 bits costs several times GPTQ's perplexity: docs/ptq.md)."""
+    formats = {8: Format.INT8, 4: Format.INT4, 3: Format.INT3, 2: Format.INT2}
+    if bits not in formats:
+        raise ValueError(f"tq.configs.int_weight_only: bits={bits!r} is not allowed; allowed: {sorted(formats)}")
+    return _preset(False, _int(formats[bits], grid, Granularity.ROWWISE, block_size), ste)
+
+
+def int4_weight_only(block_size: int | None = 128, *, grid: IntGrid = _GRID, ste: str = "clipped") -> QuantConfig:
+    """W4A16: `int_weight_only(4, block_size)`: INT4 weights in blocks of `block_size` (or per output
+    channel with None) on `grid` (default FULL, llmcompressor's W4A16: codes -8..7, scale amax / 7.5)."""
+    return int_weight_only(4, block_size, grid=grid, ste=ste)
 
 
 def fp8(*, ste: str = "clipped") -> QuantConfig:

@@ -1,7 +1,8 @@
-"""`Int4PackedCPUTensor`: an INT4 weight in the layout the CPU INT4 kernel reads, and nothing else.
+"""`Int4PackedCPUTensor`: an INT4 weight (or INT3 / INT2, in 4 bits) in the layout the CPU INT4
+kernel reads, and nothing else.
 
 ``torch._weight_int4pack_mm_for_cpu`` reads unsigned codes ``c + 8`` (tq's INT4 codes ``c`` are
--7..7, so the kernel's zero point is 0) in its own order: ``torch._convert_weight_to_int4pack_for_cpu``
+-7..7 or, on the FULL grid, -8..7, so the kernel's zero point is 0) in its own order: ``torch._convert_weight_to_int4pack_for_cpu``
 of an (N, K) weight gives (N, K / 2) bytes holding, for each 64 rows ``r`` and each column ``k``,
 32 bytes whose low nibbles are rows ``r..r+31`` and high nibbles rows ``r+32..r+63`` (measured on
 torch 2.13; `unpack` inverts it and tests/test_deploy.py checks it against the op on every run).
@@ -23,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from tqcompile import ops
-from tqcompile.formats import Format
-from tqcompile.quantizers import Granularity
+from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.tensor import _HANDLERS, QuantizedTensor
 
 __all__ = ["Int4PackedCPUTensor", "pack", "unpack"]
@@ -33,18 +33,21 @@ aten = torch.ops.aten
 _ROW_BLOCK = 64
 
 
-def pack(payload: torch.Tensor) -> torch.Tensor:
-    """tq's INT4 payload (N, K / 2) -> the CPU kernel's (N, K / 2) bytes."""
-    codes = Format.INT4.codec.signed(Format.INT4.codec.unpack(payload)).to(torch.int32) + 8
+def pack(payload: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    """tq's INT4 / INT3 / INT2 payload of an (N, K) weight -> the CPU kernel's (N, K / 2) bytes
+    (narrower codes take the kernel's 4 bits: ``c + 8`` is 6..9 for INT2, 4..11 for INT3)."""
+    codec = q.element_format().codec
+    codes = codec.signed(codec.unpack(payload)).to(torch.int32) + 8
     return torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel's (N, K / 2) bytes -> tq's INT4 payload (N, K / 2)."""
+def unpack(packed: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    """The CPU kernel's (N, K / 2) bytes -> tq's payload of `q` (every code of its grid, -8 included)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     p = packed.view(n // _ROW_BLOCK, k, _ROW_BLOCK // 2)
     unsigned = torch.cat((p & 15, p >> 4), 2).permute(0, 2, 1).reshape(n, k)
-    return Format.INT4.codec.pack(Format.INT4.codec.encode(unsigned.float() - 8))
+    codec = q.element_format().codec
+    return codec.pack(codec.encode(unsigned.float() - 8, *q.code_range()))
 
 
 _OPS = (aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.default, aten._to_copy.default, aten.is_pinned.default)
@@ -60,7 +63,7 @@ class Int4PackedCPUTensor(QuantizedTensor):
         for one scale per row, the row's scale repeated over its K / block kernel blocks)."""
         s = qt._scale_inv.repeat_interleave(qt.shape[1] // block // qt._scale_inv.shape[1], 1)
         s = s.t().to(qt.orig_dtype)
-        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=pack(qt._data), _scale_inv=torch.stack((s, torch.zeros_like(s)), -1).contiguous())
+        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=pack(qt._data, qt.quantizer), _scale_inv=torch.stack((s, torch.zeros_like(s)), -1).contiguous())
 
     @property
     def block_size(self) -> int:
@@ -78,7 +81,7 @@ class Int4PackedCPUTensor(QuantizedTensor):
         scale = self._scale_inv[..., 0].t().float().contiguous()
         if self.quantizer.layout()[0] is not Granularity.BLOCKWISE_1D:
             scale = scale[:, :1]  # one scale per row, repeated over the kernel's blocks
-        return ops.dequantize(unpack(self._data), scale, None, self.quantizer, dtype or self.orig_dtype)
+        return ops.dequantize(unpack(self._data, self.quantizer), scale, None, self.quantizer, dtype or self.orig_dtype)
 
     def __repr__(self) -> str:
         return f"Int4PackedCPUTensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, {self.quantizer!r})"

@@ -7,7 +7,8 @@ One rule, `linear_kernel`, chooses per layer from the weight's quantizer, the in
 |-----------------|--------|--------------------------------|--------------------------------|----------------------------------------|
 | ``int_mm``      | CPU    | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (int32 sums)         |
 | ``int8pack_mm`` | CPU    | INT8, one scale per row        | none (weight-only)             | ``torch._weight_int8pack_mm``          |
-| ``int4pack_mm`` | CPU    | INT4 in blocks of 32-256 of K, | none (weight-only)             | ``torch._weight_int4pack_mm_for_cpu``  |
+| ``int4pack_mm`` | CPU    | INT4 (INT3, INT2 held in 4     | none (weight-only)             | ``torch._weight_int4pack_mm_for_cpu``  |
+|                 |        | bits) in blocks of 32-256 of K,|                                |                                        |
 |                 |        | or per row (K % 32 == 0)       |                                |                                        |
 | ``int_mm``      | CUDA   | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (M > 16, K, N % 8)   |
 | ``scaled_mm``   | CUDA   | FP8, per tensor or per row     | FP8, per tensor or per row     | ``tqcompile::gemm_tn`` (`_scaled_mm`)  |
@@ -85,13 +86,14 @@ def linear_kernel(weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[i
             return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM"
         if _int8_rows(weight_q) and input_q is None:
             return "int8pack_mm", "INT8 weight-only per channel"
-        if fmt is Format.INT4 and input_q is None and axis == -1 and gran in (Granularity.BLOCKWISE_1D, Granularity.ROWWISE):
-            block = int4_kernel_block(weight_q, k)
+        if fmt.is_int and fmt.bits <= 4 and input_q is None and axis == -1 and gran in (Granularity.BLOCKWISE_1D, Granularity.ROWWISE):
+            name, block = fmt.name, int4_kernel_block(weight_q, k)
             if block is None:
-                return "dequantize", f"INT4 {_int4_grain(weight_q)} on K={k}: the CPU INT4 kernel takes blocks of {INT4_BLOCKS}"
+                return "dequantize", f"{name} {_int4_grain(weight_q)} on K={k}: the CPU INT4 kernel takes blocks of {INT4_BLOCKS}"
             if n % 64 or k % block:
-                return "dequantize", f"INT4 weight of shape {(n, k)}: the CPU INT4 kernel wants N % 64 == 0 and K % {block} == 0"
-            return "int4pack_mm", f"INT4 weight-only, {_int4_grain(weight_q)}" + (f" (as blocks of {block})" if gran is Granularity.ROWWISE else "")
+                return "dequantize", f"{name} weight of shape {(n, k)}: the CPU INT4 kernel wants N % 64 == 0 and K % {block} == 0"
+            why = f"{name} weight-only, {_int4_grain(weight_q)}" + (f" (as blocks of {block})" if gran is Granularity.ROWWISE else "")
+            return "int4pack_mm", why + ("" if fmt.bits == 4 else ": its codes in the INT4 kernel's 4 bits")
     elif kind == "cuda":
         if _int8_rows(weight_q) and _int8_activation(input_q) and k % 8 == 0 and n % 8 == 0:
             return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM (M <= 16 dequantizes)"

@@ -163,8 +163,8 @@ def weight_scheme(q: Quantizer, unit: ExportUnit) -> tuple[tuple, str]:
 @weight_scheme.register(IntQuantizer)
 def _(q, unit):
     args = _layout_args(unit, q, "int")
-    if q.format.bits == 4 or unit.input_q is None:
-        return args, "pack-quantized"  # weight-only integers are stored packed (W4A16, W8A16)
+    if q.format.bits < 8 or unit.input_q is None:
+        return args, "pack-quantized"  # sub-byte and weight-only integers are stored packed (W4A16, W3A16, W8A16)
     return args, "int-quantized"
 
 
@@ -368,7 +368,7 @@ class CompressedTensors(CheckpointFormat):
         """What exports as weights, for messages (the MX elements as registered)."""
         mx = "/".join(f.name for f in _MX_ELEMENTS)
         return (
-            "weights export as IntQuantizer INT8/INT4 (TENSORWISE, ROWWISE, BLOCKWISE_1D), Float8Quantizer E4M3 (TENSORWISE, "
+            "weights export as IntQuantizer INT8/INT4/INT3/INT2 (TENSORWISE, ROWWISE, BLOCKWISE_1D), Float8Quantizer E4M3 (TENSORWISE, "
             f"ROWWISE, BLOCKWISE_2D), MXQuantizer {mx} and NVFP4Quantizer without hadamard"
         )
 

@@ -28,9 +28,9 @@ from tqcompile.export.checkpoint_format import CheckpointFormat, LayerScheme, in
 from tqcompile.export.families import StoredLayer
 from tqcompile.export.scales import amax_for_scale, bad_values, scaled_amax
 from tqcompile.export.units import ExportError, ExportUnit
-from tqcompile.quantizers import Quantizer
+from tqcompile.quantizers import IntGrid, Quantizer
 
-__all__ = ["LayerScheme", "DecodedLayer", "invert", "check_layer", "decode_layer", "amax_for_scale", "with_scale_rules"]
+__all__ = ["LayerScheme", "DecodedLayer", "invert", "check_layer", "decode_layer", "amax_for_scale", "with_scale_rules", "full_grid"]
 
 
 @dataclasses.dataclass
@@ -44,7 +44,6 @@ class DecodedLayer:
     weight_amax: torch.Tensor | None
     input_amax: torch.Tensor | None
     inexact: int = 0
-    beyond_qmax: int = 0  # integer codes outside tq's symmetric range (-128 / -8 written by other tools)
     mx_rceil: bool = False  # MX blocks only RCEIL scales give (`families.read_weight` of MX says why)
     pow2_scales: bool | None = None  # FP8 layers: every scale a power of two (None: not FP8)
 
@@ -182,17 +181,39 @@ def decode_layer(prefix: str, scheme: LayerScheme, get: Callable[[str], torch.Te
     """Read the layer `prefix` of `scheme` (`get(local name)` returns its tensor, or None) from a
     checkpoint of format `fmt`, which `check_layer` has checked (and given its NVFP4 tile layout)."""
     q = scheme.weight_q
-    scale, packed, beyond = get("weight_scale"), get("weight_packed"), 0
+    scale, packed = get("weight_scale"), get("weight_packed")
     data = get("weight") if packed is None else packed
     dense = data.is_floating_point() and data.dtype != torch.float8_e4m3fn  # compressed-tensors' "dense": stored dequantized
     layer = StoredLayer(prefix, "", lambda local: None, get)
     if dense:
         shape = tuple(data.shape)
     else:
-        data, shape, beyond = families.read_payload(q, data, layer)
+        data, shape = families.read_payload(q, data, layer)
     read = families.read_weight(q, data, scale, shape, dense, layer, fmt.WEIGHT_GLOBAL_SCALE)
+    if read.quantizer is not None and read.quantizer != q:
+        scheme = _with_int_grid(scheme, read.quantizer)
     input_amax, more = _input_amax(scheme, get, fmt)
-    return DecodedLayer(scheme, read.weight, read.amax, input_amax, read.inexact + more, beyond, read.mx_rceil, read.pow2_scales)
+    return DecodedLayer(scheme, read.weight, read.amax, input_amax, read.inexact + more, read.mx_rceil, read.pow2_scales)
+
+
+def full_grid(scheme: LayerScheme) -> LayerScheme | None:
+    """`scheme` on the FULL integer grid where it is a SYMMETRIC integer one, else None: what the
+    loader decodes a layer as when another layer of its GEMM (an expert beside it) has FULL codes."""
+    q = scheme.weight_q
+    if getattr(q, "grid", None) is not IntGrid.SYMMETRIC:
+        return None
+    return _with_int_grid(scheme, dataclasses.replace(q, grid=IntGrid.FULL))
+
+
+def _with_int_grid(scheme: LayerScheme, weight_q: Quantizer) -> LayerScheme:
+    """`scheme` with the weight quantizer its scales were read with (an integer grid read off
+    them, `families.read_weight`) and a static integer input on the same grid (tq's presets and
+    llmcompressor's static W8A8 put both on one grid; dynamic inputs keep SYMMETRIC: amax / 127,
+    as vLLM quantizes them)."""
+    iq = scheme.input_q
+    if iq is not None and scheme.static_input and getattr(iq, "grid", None) is not None:
+        iq = dataclasses.replace(iq, grid=weight_q.grid)
+    return dataclasses.replace(scheme, weight_q=weight_q, input_q=iq)
 
 
 def _input_amax(scheme: LayerScheme, get, fmt: CheckpointFormat) -> tuple[torch.Tensor | None, int]:

@@ -30,8 +30,20 @@ from tqcompile.export.safetensors_io import dtype_name
 from tqcompile.export.scales import amax_for_scale, bad_values, scale_inv_of, scaled_amax
 from tqcompile.export.units import ExportError
 from tqcompile.formats.codec import pack_codes, unpack_codes
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer, ScaleRounding
+from tqcompile.kernels.reference import int_values
+from tqcompile.quantizers import (
+    Float8Quantizer,
+    Granularity,
+    IntGrid,
+    IntQuantizer,
+    MXQuantizer,
+    NVFP4Quantizer,
+    Quantizer,
+    ScaleRounding,
+)
 from tqcompile.quantizers.nvfp4 import NVFP4_ENC, nvfp4_tensor_scale
+
+INT_BITS = (2, 3, 4, 8)  # the integer widths pack-quantized checkpoints hold that tq reads and writes
 
 __all__ = [
     "StoredLayer",
@@ -74,6 +86,7 @@ class ReadWeight:
     inexact: int = 0
     mx_rceil: bool = False
     pow2_scales: bool | None = None
+    quantizer: Quantizer | None = None  # the weight quantizer the scales were read with (an integer grid read off them)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +134,8 @@ def _amax_scaled(cls: type, group_size: int | None, block: int | None, blocks_2d
     return out
 
 
-# INT first, then FP8, MX and NVFP4: the order the loader has always tried them in.
+# INT first, then FP8, MX and NVFP4: the order the loader has always tried them in. (Integer
+# candidates are SYMMETRIC; `read_weight` reads the grid off the codes and scales.)
 register_candidates(IntQuantizer)(lambda group_size, block: _amax_scaled(IntQuantizer, group_size, block, blocks_2d=False))
 register_candidates(Float8Quantizer)(lambda group_size, block: _amax_scaled(Float8Quantizer, group_size, block, blocks_2d=True))
 register_candidates(MXQuantizer)(lambda group_size, block: [lambda f=f: MXQuantizer(f) for f in MXQuantizer.allowed_formats()])
@@ -196,25 +210,31 @@ def _(q, scale, want):
 # Payloads
 # ---------------------------------------------------------------------------------------------
 def pack_int32_words(ints: torch.Tensor, bits: int) -> torch.Tensor:
-    """compressed-tensors' `pack-quantized` words: offset-binary values (v + 2**(bits-1)), 32 / bits
-    a little-endian int32 word along the last dim, zero-padded to whole words."""
-    per_word = 32 // bits
+    """compressed-tensors' `pack-quantized` words (0.19 and later): offset-binary values
+    (v + 2**(bits-1)) packed densely along the last dim, element i at bit ``bits * i`` of the row's
+    little-endian bit stream (a 3-bit code may straddle two words), ``ceil(cols * bits / 32)`` words
+    a row. For 2, 4 and 8 bits that is also the older `32 // bits` codes a word."""
+    if bits not in INT_BITS:
+        raise ExportError(f"pack-quantized export supports {INT_BITS} bits, got {bits}")
     u = (ints.to(torch.int32) + (1 << (bits - 1))).to(torch.uint8)
-    pad = -u.shape[-1] % per_word
+    cols = u.shape[-1]
+    pad = -cols % 32  # 32 codes fill `bits` whole words
     if pad:
         u = torch.nn.functional.pad(u, (0, pad))
-    if bits not in (4, 8):
-        raise ExportError(f"pack-quantized export supports 4 and 8 bits, got {bits}")
-    # Element i at bit ``bits * i`` of its word: tq's own packing of `bits`-wide codes, in bytes of word order.
-    return pack_codes(u, bits).contiguous().view(torch.int32)  # little-endian words (every CPU torch runs on here)
+    # tq's own packing of `bits`-wide codes is that bit stream, in bytes of word order.
+    words = pack_codes(u, bits).contiguous().view(torch.int32)  # little-endian words (every CPU torch runs on here)
+    return words[..., : -(-cols * bits // 32)].contiguous()
 
 
 def unpack_int32_words(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """`pack_int32_words` back to int8 values (the first `cols` of each row)."""
-    u = packed.contiguous().view(torch.uint8)  # little-endian words: bytes in element order
-    if bits not in (4, 8):
-        raise ExportError(f"tq.load_exported: pack-quantized with {bits} bits; tq loads 4 and 8")
-    u = unpack_codes(u, bits)
+    if bits not in INT_BITS:
+        raise ExportError(f"tq.load_exported: pack-quantized with {bits} bits; tq loads {INT_BITS}")
+    words = packed.contiguous()
+    pad = -words.shape[-1] % bits  # whole groups of 32 codes (`bits` words each) for the unpacker
+    if pad:
+        words = torch.nn.functional.pad(words, (0, pad))
+    u = unpack_codes(words.view(torch.uint8), bits)  # little-endian words: bytes in element order
     return (u[..., :cols].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
@@ -236,10 +256,10 @@ def _(q, layer, local, stored, shape):
             raise ExportError(f"{where}: its weight_packed has no weight_shape beside it")
         logical = tuple(int(v) for v in layer.get("weight_shape"))
         words = -(-logical[-1] * bits // 32)
-        if bits not in (4, 8) or shape[-1] != words or shape[:-1] != logical[:-1]:
+        if bits not in INT_BITS or shape[-1] != words or shape[:-1] != logical[:-1]:
             raise ExportError(
                 f"{where}: {prefix}.weight_packed is {list(shape)} int32 words for a {list(logical)} weight; num_bits={bits} "
-                f"packs it in {[*logical[:-1], words]}{'' if bits in (4, 8) else ' (tq loads 4 and 8 bits)'}: the config's "
+                f"packs it in {[*logical[:-1], words]}{'' if bits in INT_BITS else f' (tq loads {INT_BITS} bits)'}: the config's "
                 "num_bits contradicts the payload"
             )
         return logical
@@ -257,9 +277,9 @@ def _(q, layer, local, stored, shape):
 
 
 @functools.singledispatch
-def read_payload(q: Quantizer, data: torch.Tensor, layer: StoredLayer) -> tuple[torch.Tensor, tuple[int, ...], int]:
-    """(payload in tq's layout, logical shape, codes beyond tq's range) of a stored, checked payload."""
-    return data, tuple(q.logical_shape(data.shape)), 0
+def read_payload(q: Quantizer, data: torch.Tensor, layer: StoredLayer) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(payload in tq's layout, logical shape) of a stored, checked payload."""
+    return data, tuple(q.logical_shape(data.shape))
 
 
 @read_payload.register(IntQuantizer)
@@ -267,10 +287,9 @@ def _(q, data, layer):
     codec = q.format.codec
     if data.dtype == torch.int32:  # pack-quantized
         data = unpack_int32_words(data, codec.bits, int(layer.get("weight_shape")[-1]))
-    beyond = int((data.to(torch.int16).abs() > codec.max_value).sum())  # -128 / -8, written by other tools
-    # The codes' bit patterns, kept as they are (an encode would clamp -8 to -7).
+    # The codes' bit patterns, kept as they are (-8 and -128 included: loaded quantizers are FULL-grid).
     codes = data if codec.torch_dtype is not None else data.view(torch.uint8) & ((1 << codec.bits) - 1)
-    return codec.pack(codes), tuple(data.shape), beyond
+    return codec.pack(codes), tuple(data.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +319,19 @@ def read_weight(q: Quantizer, data, scale, shape, dense: bool, layer: StoredLaye
     amax, inexact = scaled_amax(scale.reshape(q.scale_shape(shape)), q)
     scale_inv = scale_inv_of(q)(amax)
     w = data.float() if dense else ops.dequantize(data, scale_inv.contiguous(), None, q, torch.float32)
-    return ReadWeight(w, amax, inexact)
+    return ReadWeight(w, amax, inexact, quantizer=q)
+
+
+@read_weight.register(IntQuantizer)
+def _(q, data, scale, shape, dense, layer, global_tensor):
+    # The grid is not in the checkpoint: codes at the bottom of the FULL grid (-8, -128: what
+    # llmcompressor writes, and tq's FULL-grid presets) need it; a layer without any reads as the
+    # SYMMETRIC layers tq writes (the same codes either way; the scales map back exactly).
+    if q.grid is IntGrid.SYMMETRIC and not dense:
+        full = dataclasses.replace(q, grid=IntGrid.FULL)
+        if bool((int_values(data, q) == full.code_range()[0]).any()):
+            q = full
+    return read_weight.dispatch(Quantizer)(q, data, scale, shape, dense, layer, global_tensor)
 
 
 @read_weight.register(Float8Quantizer)

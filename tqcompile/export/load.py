@@ -30,7 +30,7 @@ from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers, kind_of, module_device, quant_units
 from tqcompile.calibration.pipeline import CalibrationWarning, prepare
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format_for_method, known_layer_tensors
-from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, with_scale_rules
+from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.names import Placement, placements
 from tqcompile.export.safetensors_io import dtype_name
@@ -180,8 +180,8 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     models): the loaded model computes the exported model's logits bit for bit and exports to the
     same bytes. A scale another tool computed as ``amax / qmax`` may have no exact tq amax; the
     nearest is used (an fp32 ulp of the scale away) and a `CalibrationWarning` says how many.
-    Integer codes -128 (INT8) and -8 (INT4), which llmcompressor writes, stay in the float
-    weights but compute as -127 and -7 (tq's integer quantizers are symmetric), also warned.
+    Integer layers load on the FULL grid (`tq.IntGrid`): codes -128 (INT8) and -8 (INT4), which
+    llmcompressor writes, compute as themselves, as in the engines.
     Scale rules a checkpoint does not record are read off its scales: FP8 scales that are all
     powers of two load as ``power_of_two_scale``; MX blocks that only the RCEIL rule writes, as
     RCEIL. Dynamic per-tensor activations (a training recipe's export) keep no amax.
@@ -208,7 +208,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
     # in place (memory holds the model and one layer, not a second copy of the model).
     units: list[tuple[nn.Module, _Unit]] = []
-    mismatch, notes, counts = [], [], {"inexact": 0, "beyond": 0, "rceil": 0, "fp8": 0, "pow2": 0}
+    mismatch, notes, counts = [], [], {"inexact": 0, "rceil": 0, "fp8": 0, "pow2": 0}
     with torch.no_grad():
         for key, value in state.items():
             ps, target = where[key], value.detach()
@@ -353,6 +353,14 @@ def _untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _on_full_grid(p: Placement, layer: DecodedLayer, ckpt, fmt) -> DecodedLayer:
+    full = full_grid(layer.scheme)
+    if full is None:
+        return layer
+    prefix = _prefix(p.name)
+    return decode_layer(prefix, full, lambda local: ckpt.get(f"{prefix}.{local}"), fmt)
+
+
 def _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, counts) -> _Unit:
     experts = isinstance(unit_module, ExpertGemmQuantizers) or kind_of(unit_module)[0] == "GroupedLinear"
     layers: list[tuple[Placement, DecodedLayer]] = []
@@ -360,8 +368,11 @@ def _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, 
         prefix = _prefix(p.name)
         layer = decode_layer(prefix, checked[prefix], lambda local, pre=prefix: ckpt.get(f"{pre}.{local}"), fmt)
         layers.append((p, layer))
+    if len({lay.scheme for _, lay in layers}) > 1:
+        # One GEMM, one quantizer: layers without bottom codes (-8, -128) join those with them on the FULL grid.
+        layers = [(p, _on_full_grid(p, lay, ckpt, fmt)) for p, lay in layers]
+    for _, layer in layers:
         counts["inexact"] += layer.inexact
-        counts["beyond"] += layer.beyond_qmax
         counts["rceil"] += layer.mx_rceil
         if layer.pow2_scales is not None:
             counts["fp8"] += 1
@@ -418,11 +429,6 @@ def _warn(notes: list[str], counts: dict, path: str) -> None:
         lines.append(
             f"{counts['inexact']} scales have no tq amax that gives them exactly (scales computed as amax / qmax, by another "
             "tool): the nearest is used, an fp32 ulp of the scale away"
-        )
-    if counts["beyond"]:
-        lines.append(
-            f"{counts['beyond']} integer weight codes are -128 (INT8) or -8 (INT4), beyond tq's symmetric range: the model "
-            "keeps them in its float weight, and its fake quantization computes them as -127 / -7"
         )
     if lines:
         warnings.warn(f"tq.load_exported({path!r}):\n  " + "\n  ".join(lines), CalibrationWarning, stacklevel=3)

@@ -61,7 +61,7 @@ def amax_for_scale(
 def scale_inv_of(q: Quantizer) -> Callable[[torch.Tensor], torch.Tensor]:
     """amax -> the `scale_inv` an amax-scaled quantizer (FP8, INT) stores for it, as its reference
     kernel computes it (`tqcompile.quantizers.scaling.scale_from_amax`, without power-of-two rounding)."""
-    fmax = q.element_format().max_value
+    fmax = q.scale_max()
     return lambda a: 1.0 / scale_from_amax(a, fmax, q.amax_epsilon, False)
 
 
@@ -69,7 +69,7 @@ def scaled_amax(scale: torch.Tensor, q: Quantizer) -> tuple[torch.Tensor, int]:
     """The amaxes whose `scale_inv_of(q)` are the checkpoint's `scale` (``amax = scale * qmax``,
     searched), and how many are inexact."""
     s = scale.float()
-    return amax_for_scale(s, scale_inv_of(q), s * q.element_format().max_value)
+    return amax_for_scale(s, scale_inv_of(q), s * q.scale_max())
 
 
 def bad_values(t: torch.Tensor, zero_ok: bool) -> str | None:

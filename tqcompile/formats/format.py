@@ -41,6 +41,8 @@ class Format(enum.Enum):
     E8M0 = "e8m0"
     INT8 = "int8"
     INT4 = "int4"
+    INT3 = "int3"  # weights only: 8 codes in 3 bytes
+    INT2 = "int2"  # weights only: 4 codes a byte
 
     @property
     def codec(self) -> ElementCodec:
@@ -73,7 +75,7 @@ class Format(enum.Enum):
 
     @property
     def is_int(self) -> bool:
-        """True for the integer element formats (INT8, INT4)."""
+        """True for the integer element formats (INT8, INT4, INT3, INT2)."""
         return _CODECS[self].kind == "int"
 
     @property

@@ -80,7 +80,7 @@ def tensor_scale_inv(amax: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """The `scale_inv` a Float8 / Int quantizer stores for the static amax `amax` (any unit shape):
     ``1 / (fmt_max / max(amax, amax_epsilon))``, the scale rounded to a power of two first if the
     quantizer asks. What serving formats store as a static scale (they multiply by it)."""
-    return 1.0 / scale_from_amax(amax.float(), q.element_format().max_value, q.amax_epsilon, getattr(q, "power_of_two_scale", False))
+    return 1.0 / scale_from_amax(amax.float(), q.scale_max(), q.amax_epsilon, getattr(q, "power_of_two_scale", False))
 
 
 def int_values(data: torch.Tensor, q: Quantizer) -> torch.Tensor:

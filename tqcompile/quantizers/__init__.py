@@ -21,7 +21,7 @@ from tqcompile.quantizers.geometry import Granularity
 from tqcompile.quantizers.fp8 import Float8Quantizer
 from tqcompile.quantizers.mx import MXQuantizer, ScaleRounding
 from tqcompile.quantizers.nvfp4 import NVFP4Quantizer
-from tqcompile.quantizers.integer import IntQuantizer
+from tqcompile.quantizers.integer import IntGrid, IntQuantizer
 # isort: on
 
 __all__ = [
@@ -32,4 +32,5 @@ __all__ = [
     "MXQuantizer",
     "NVFP4Quantizer",
     "IntQuantizer",
+    "IntGrid",
 ]

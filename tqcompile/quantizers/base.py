@@ -103,6 +103,12 @@ class Quantizer(OpaqueBase):
     def scale_dtype(self) -> torch.dtype:
         return torch.float32
 
+    def scale_max(self) -> float:
+        """The scaled value an amax maps to in an amax-scaled family (FP8, INT): the scale is
+        ``scale_max() / amax``. The element format's largest value, except on an integer FULL grid
+        (`IntGrid`), where it is half a step above it."""
+        return self.element_format().max_value
+
     def needs_seed(self) -> bool:
         return False
 

@@ -11,6 +11,7 @@ __all__ = ["FP32_MAX", "finite_abs", "pow2_floor", "div_scalar", "scale_from_ama
 
 # Largest fp32 value; `max_value / amax_epsilon` must stay below it so scales are finite.
 FP32_MAX = torch.finfo(torch.float32).max
+FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
 
 
 def finite_abs(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +37,10 @@ def scale_from_amax(amax: torch.Tensor, fmt_max: float, eps: float, power_of_two
     # torch.div, not `fmt_max / tensor`: Python's reflected division runs as reciprocal-then-multiply,
     # which rounds twice and is one ulp off the fp32 quotient (TE's __fdiv_rn) for about 1 amax in 4.
     scale = torch.div(fmt_max, amax.clamp(min=eps))
+    # At most the smallest normal fp32: INT2/INT3's top (1 to 3.5) over an amax near fp32's max is
+    # subnormal, and 1 / a subnormal scale overflows to Inf. Never reached by FP8, INT4 or INT8
+    # (448 / FP32_MAX, 7 / FP32_MAX are normal), so their scales are unchanged.
+    scale = scale.clamp(min=FP32_TINY)
     return pow2_floor(scale) if power_of_two else scale
 
 

@@ -43,6 +43,7 @@ from tqcompile.kernels.reference import hadamard_matrix
 from tqcompile.quantizers import (
     Float8Quantizer,
     Granularity,
+    IntGrid,
     IntQuantizer,
     MXQuantizer,
     NVFP4Quantizer,
@@ -61,6 +62,7 @@ __all__ = [
     "scaled_values",
     "payload_values",
     "expected_payload_values",
+    "saturation_values",
     "error_bound",
     "assert_error_within",
 ]
@@ -239,6 +241,7 @@ def _mx_exponent(amax: torch.Tensor, q: MXQuantizer) -> torch.Tensor:
 
 def _fp32_scale(fmt_max: float, amax: torch.Tensor, eps: float, power_of_two: bool) -> torch.Tensor:
     scale = torch.tensor(fmt_max, dtype=torch.float32) / amax.float().clamp(min=eps)
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # never subnormal (docs/numerics/int.md)
     if power_of_two:
         _, exp = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), exp - 1)
@@ -298,7 +301,9 @@ def _(q: Float8Quantizer | IntQuantizer, xf, amax) -> torch.Tensor:
 def _amax_scale(q: Float8Quantizer | IntQuantizer, xf: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
     """FP8 / INT: ``fmt_max / max(amax, eps)`` per unit (a power of two where asked)."""
     unit = amax if amax is not None else _unit_amax(_finite_abs(xf), q.layout(), q.scale_shape(xf.shape))
-    return _fp32_scale(q.element_format().max_value, unit, q.amax_epsilon, getattr(q, "power_of_two_scale", False))
+    # INT on the FULL grid: the amax maps half a step above the largest code (docs/numerics/int.md).
+    top = q.element_format().max_value + (0.5 if getattr(q, "grid", None) is IntGrid.FULL else 0.0)
+    return _fp32_scale(top, unit, q.amax_epsilon, getattr(q, "power_of_two_scale", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +405,25 @@ def expected_payload_values(quantizer: Quantizer, x: torch.Tensor, amax: torch.T
         return v.float().clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype).float()
     if fmt.is_float:
         return _round_small_float(v, fmt)
-    return torch.nan_to_num(v, nan=0.0).clamp(-fmt.max_value, fmt.max_value).round().float() + 0.0  # + 0.0: no -0 in INT
+    lo, hi = _int_codes(quantizer)
+    return torch.nan_to_num(v, nan=0.0).clamp(lo, hi).round().float() + 0.0  # + 0.0: no -0 in INT
+
+
+def _int_codes(q: Quantizer) -> tuple[float, float]:
+    """The lowest and highest code of an integer quantizer, from the spec: ``-qmax..qmax``, or
+    ``-qmax - 1..qmax`` on the FULL grid (docs/numerics/int.md)."""
+    qmax = q.element_format().max_value
+    return (-qmax - 1 if getattr(q, "grid", None) is IntGrid.FULL else -qmax), qmax
+
+
+def saturation_values(quantizer: Quantizer, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, values) of the scaled values `v` (`scaled_values`) the format cannot hold, and the
+    element value each saturates to: beyond ±max, or, on an integer FULL grid, below its lowest
+    code (which is -max - 1)."""
+    fmt = quantizer.element_format()
+    lo, hi = _int_codes(quantizer) if fmt.is_int else (-fmt.max_value, fmt.max_value)
+    over = torch.isfinite(v) & ((v > hi) | (v < lo))
+    return over, torch.where(v > 0, hi, lo).float()
 
 
 def _untransformed_bound(q: Quantizer, xf: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:

@@ -36,6 +36,7 @@ from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,
     Granularity,
+    IntGrid,
     IntQuantizer,
     MXQuantizer,
     NVFP4Quantizer,
@@ -134,7 +135,8 @@ def int_quantizers(
     block_sizes: int | Sequence[int] | None = None,
     axes: int | Sequence[int] | None = None,
 ) -> SearchStrategy[IntQuantizer]:
-    """`IntQuantizer`s (INT8, INT4) per tensor, per channel (any axis) or per block."""
+    """`IntQuantizer`s (INT8, INT4, INT3, INT2) per tensor, per channel (any axis) or per block, on
+    either grid."""
     return st.builds(
         IntQuantizer,
         format=_choice(formats, IntQuantizer.allowed_formats()),
@@ -142,6 +144,7 @@ def int_quantizers(
         axis=_choice(axes, DEFAULT_AXES),
         block_size=_choice(block_sizes, DEFAULT_BLOCK_SIZES),
         amax_epsilon=amax_epsilons(),
+        grid=st.sampled_from(tuple(IntGrid)),
     )
 
 
