@@ -144,6 +144,15 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                 skipped.append(f"  {name} ({class_name(module)}): {note}")
                 quantizers["weight"] = None
         planned.append(unit_decision(name, module, quantizers, reason=note))
+    kv_rules = [r for r in config.rules if any(isinstance(getattr(r, f), Quantizer) for f in KV_SLOTS)]
+    if kv_rules and warn_unmatched and not any(kind_of(d.module)[0] == "Attention" for d in planned):
+        warnings.warn(
+            f"tq.calibrate: {kv_rules[0].describe()} quantizes the KV cache, but no attention module of the model takes "
+            "KV-cache quantizers (Hugging Face attention whose forward takes past_key_values, or nn.MultiheadAttention, "
+            "matched by the rule)",
+            CalibrationWarning,
+            stacklevel=3,
+        )
     if warn_unmatched:
         for i, rule in enumerate(config.rules):
             if rule.must_match and not matched[i]:
