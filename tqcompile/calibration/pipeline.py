@@ -114,7 +114,7 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                 planned.append(unit_decision(name, module, kv))
             continue
         if reason:
-            if any(quantizers.values()):
+            if any(quantizers[s] for s in SLOTS):
                 skipped.append(f"  {name} ({class_name(module)}): {reason}")
             planned.append(unit_decision(name, module, quantizers, "skip", reason))
             continue
