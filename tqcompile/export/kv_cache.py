@@ -69,7 +69,7 @@ def kv_cache_units(model: nn.Module) -> tuple[Quantizer | None, list[KVCacheUnit
         if k.quantizer != v.quantizer:
             raise ExportError(f"tq.export: attention {name!r} quantizes keys with {k.quantizer!r} and values with {v.quantizer!r}; {KV_WORKS}")
         q = k.quantizer
-        if not (isinstance(q, Float8Quantizer) and q.format is Format.E4M3 and not q.power_of_two_scale):
+        if q not in (kv_quantizer_for(False), kv_quantizer_for(True)):  # what the engines' FP8 caches are
             raise ExportError(f"tq.export: attention {name!r} quantizes its KV cache with {q!r}; {KV_WORKS}")
         if k.amax is None or v.amax is None:
             raise ExportError(f"tq.export: attention {name!r} has no calibrated KV amax; calibrate the model (tq.calibrate) first")
