@@ -85,9 +85,16 @@ def serve(model_dir: str, requests_path: str, result_path: str, max_model_len: i
             max_model_len=max_model_len,
             max_num_seqs=len(requests["prompts"]),
             seed=0,
+            kv_cache_dtype=requests.get("kv_cache_dtype", "auto"),
         )
         result["startup_s"] = time.perf_counter() - t0
         result["loads"] = True
+        if requests.get("kv_cache_dtype", "auto") != "auto":
+            # The KV scales vLLM's attention layers write their cache with, as loaded (one float a layer).
+            def kv_scales(model):
+                return {n: [m._k_scale_float, m._v_scale_float] for n, m in model.named_modules() if hasattr(m, "_k_scale_float")}
+
+            result["kv_scales"] = llm.apply_model(kv_scales)[0]
         params = SamplingParams(temperature=0, max_tokens=requests["max_tokens"], logprobs=requests["logprobs"])
         outs = llm.generate([{"prompt_token_ids": p} for p in requests["prompts"]], params)
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
@@ -119,10 +126,12 @@ def serve(model_dir: str, requests_path: str, result_path: str, max_model_len: i
     Path(result_path).write_text(json.dumps(result))
 
 
-def run_vllm(vllm_python: str, model_dir: Path, prompts: list[list[int]], max_tokens: int, log_path: Path) -> dict:
+def run_vllm(
+    vllm_python: str, model_dir: Path, prompts: list[list[int]], max_tokens: int, log_path: Path, kv_cache_dtype: str = "auto"
+) -> dict:
     """Serve `model_dir` with the vLLM Python in a subprocess (this file in --serve mode); return its result."""
     req, res = model_dir / "_requests.json", model_dir / "_vllm_result.json"  # kept beside the checkpoint
-    req.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": 1}))
+    req.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "logprobs": 1, "kv_cache_dtype": kv_cache_dtype}))
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -241,6 +250,28 @@ FORMATS = (
         "modelopt",
         True,
     ),
+    # "+ FP8 KV" rows are served with kv_cache_dtype="fp8" (vLLM's CPU attention has an FP8 cache on AVX-512 / AMX).
+    ("CT INT8 W8A8 static + FP8 KV per-tensor", lambda: tq.configs.int8().with_rules(tq.configs.fp8_kv_cache()), "compressed-tensors", True),
+    (
+        "CT INT8 W8A8 static + FP8 KV per-head",
+        lambda: tq.configs.int8().with_rules(tq.configs.fp8_kv_cache(per_head=True)),
+        "compressed-tensors",
+        True,
+    ),
+    (
+        "CT W4A16 group 128 + FP8 KV per-tensor",
+        lambda: tq.configs.int4_weight_only(128).with_rules(tq.configs.fp8_kv_cache()),
+        "compressed-tensors",
+        True,
+    ),
+    (
+        "ModelOpt FP8_PER_CHANNEL_PER_TOKEN + FP8 KV",
+        lambda: _config(Float8Quantizer(Format.E4M3, Granularity.ROWWISE), Float8Quantizer(Format.E4M3, Granularity.ROWWISE)).with_rules(
+            tq.configs.fp8_kv_cache()
+        ),
+        "modelopt",
+        True,
+    ),
     ("CT FP8 per-tensor (static)", tq.configs.fp8, "compressed-tensors", False),
     ("CT NVFP4", tq.configs.nvfp4, "compressed-tensors", False),
     ("CT MXFP8", tq.configs.mxfp8, "compressed-tensors", False),
@@ -284,6 +315,23 @@ def compare(model: torch.nn.Module, prompts: list[list[int]], served: dict, max_
         margins += [top - lp for lp, top in zip(t_lp, t_top) if lp != top]
         max_dlp = max(max_dlp, max(abs(a - b) for a, b in zip(t_lp, v_lp)))
     return {"equal": equal, "total": total, "argmax_equal": argmax_equal, "max_dlp": max_dlp, "margins": margins, "ties": ties}
+
+
+def kv_scale_check(model: torch.nn.Module, served: dict, log_path: Path) -> str:
+    """Whether vLLM writes its FP8 cache with the exported scales: the k/v scale of each attention layer as
+    vLLM loaded it against tq's scale_inv (the max over heads: vLLM's CPU attention takes one float a layer),
+    and whether vLLM's log says it fell back to 1.0."""
+    from tqcompile.calibration.state import attention_units
+    from tqcompile.kernels.reference import tensor_scale_inv
+
+    ours = [
+        [float(tensor_scale_inv(a.key_quantizer.amax, a.key_quantizer.quantizer).max()),
+         float(tensor_scale_inv(a.value_quantizer.amax, a.value_quantizer.quantizer).max())]
+        for _, a in attention_units(model)
+    ]
+    theirs = list(served.get("kv_scales", {}).values())
+    fallback = "scaling factor 1.0" in log_path.read_text()
+    return f"KV scales tq {ours} vLLM {theirs}; equal: {ours == theirs}; vLLM's 'scale 1.0' warning: {fallback}"
 
 
 def main() -> None:
@@ -336,12 +384,15 @@ def main() -> None:
             rows.append((name, f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", "", "", ""))
             print(f"  export failed: {e}", flush=True)
             continue
-        served = run_vllm(args.vllm_python, model_dir, prompts, args.max_tokens, model_dir / "_vllm.log")
+        kv_dtype = "fp8" if "FP8 KV" in name else "auto"
+        served = run_vllm(args.vllm_python, model_dir, prompts, args.max_tokens, model_dir / "_vllm.log", kv_dtype)
         if not served["loads"]:
             rows.append((name, f"no: {served.get('error', '?')}", "", "", f"{served.get('startup_s', 0):.0f}"))
             print(f"  vLLM refused: {served.get('error')}", flush=True)
             continue
         c = compare(model, prompts, served, args.max_tokens)
+        if kv_dtype != "auto":
+            print(f"  {kv_scale_check(model, served, model_dir / '_vllm.log')}", flush=True)
         rows.append(
             (
                 name,

@@ -37,6 +37,7 @@ from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntGrid, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
 __all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "default_disabled", "GEMM_LAYERS"]
+__all__ += ["fp8_kv_cache"]
 
 GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear, ExpertGemmQuantizers)
 NORMS: tuple[type, ...] = (
@@ -134,6 +135,18 @@ def int4_weight_only(block_size: int | None = 128, *, grid: IntGrid = _GRID, ste
 def fp8(*, ste: str = "clipped") -> QuantConfig:
     """FP8 E4M3 weights and activations, one static scale per tensor."""
     return _preset(Float8Quantizer(Format.E4M3), Float8Quantizer(Format.E4M3), ste)
+
+
+def fp8_kv_cache(*, per_head: bool = False) -> QuantRule:
+    """A rule quantizing every attention's KV cache to FP8 E4M3 with static, calibrated scales: one
+    per layer, or one per KV head (`per_head`, compressed-tensors' "attn_head"). Append it to any
+    preset; it sets only the attention modules' key and value quantizers.
+
+    Example:
+        >>> cfg = tq.configs.int4_weight_only().with_rules(tq.configs.fp8_kv_cache())   # W4A16 + FP8 KV
+    """
+    q = Float8Quantizer(Format.E4M3, Granularity.ROWWISE if per_head else Granularity.TENSORWISE)
+    return QuantRule(key=q, value=q)
 
 
 def mxfp8(*, ste: str = "clipped") -> QuantConfig:

@@ -37,12 +37,14 @@ from typing import Any
 
 from torch import nn
 
-from tqcompile.quantizers import Quantizer
+from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, Quantizer
 from tqcompile.quantizers.base import quantizer_families
 
-__all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "register_module_type", "module_type_name"]
+__all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "KV_SLOTS", "register_module_type", "module_type_name"]
 
 SLOTS = ("input", "weight", "output")
+# An attention module's KV-cache quantizers (`tqcompile.calibration.attention`).
+KV_SLOTS = ("key", "value")
 STE_MODES = ("clipped", "plain")
 
 # Classes that stand for one another in a rule: convert_sync_batchnorm turns any of them into a
@@ -87,6 +89,17 @@ def _family(cls: type) -> tuple[type, ...]:
     return (nn.modules.batchnorm._BatchNorm,) if cls in _BATCH_NORMS else (cls,)
 
 
+def kv_quantizer_problem(q: Quantizer) -> str | None:
+    """Why `q` cannot quantize a KV cache, or None: a static amax per layer (TENSORWISE) or per KV
+    head (ROWWISE along the last dim), of a Float8Quantizer or IntQuantizer."""
+    gran, axis, _ = q.layout()
+    if not isinstance(q, Float8Quantizer | IntQuantizer) or gran not in (Granularity.TENSORWISE, Granularity.ROWWISE):
+        return "allowed: Float8Quantizer or IntQuantizer, TENSORWISE (one scale per layer) or ROWWISE (one per KV head)"
+    if gran is Granularity.ROWWISE and axis != -1:
+        return "a per-head (ROWWISE) KV quantizer takes axis=-1: each KV head is one row of the cache"
+    return None
+
+
 def _check_slot(field: str, value: object) -> None:
     if value is None or value is False or isinstance(value, Quantizer):
         return
@@ -108,9 +121,14 @@ class QuantRule:
         input / weight / output: a `tq.Quantizer` to enable that quantizer, False to disable it,
             None to leave it as earlier rules set it.
         must_match: warn (naming the rule) when it matches no module of the model.
+        key / value: the KV-cache quantizers of attention modules (keys after the rotary
+            embedding and values, as they enter the cache; `tqcompile.calibration.attention`),
+            set as the other slots are. Attention modules have only these two slots, other
+            modules only input, weight and output: a rule's slots apply where the module has them.
 
     Example:
         >>> QuantRule(name="*lm_head", input=False, weight=False, output=False)
+        >>> QuantRule(key=tq.Float8Quantizer(), value=tq.Float8Quantizer())   # FP8 KV cache, per layer
     """
 
     name: str | None = None
@@ -119,6 +137,8 @@ class QuantRule:
     weight: Quantizer | bool | None = None
     output: Quantizer | bool | None = None
     must_match: bool = True
+    key: Quantizer | bool | None = None
+    value: Quantizer | bool | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None and not isinstance(self.name, str):
@@ -128,15 +148,20 @@ class QuantRule:
             raise ConfigError(
                 f"QuantRule: module_types={types!r} is not allowed; allowed: a tuple of nn.Module subclasses, e.g. (nn.Linear,)"
             )
-        for f in SLOTS:
+        for f in (*SLOTS, *KV_SLOTS):
             _check_slot(f, getattr(self, f))
+        for f in KV_SLOTS:
+            q = getattr(self, f)
+            problem = kv_quantizer_problem(q) if isinstance(q, Quantizer) else None
+            if problem:
+                raise ConfigError(f"QuantRule: {f}={q!r} is not allowed as a KV-cache quantizer; {problem}")
         if not isinstance(self.must_match, bool):
             raise ConfigError(f"QuantRule: must_match={self.must_match!r} is not allowed; allowed: True or False")
 
     @classmethod
     def disable(cls, name: str | None = None, module_types: tuple[type, ...] = (), *, must_match: bool = True) -> QuantRule:
-        """A rule that disables all three quantizers of the modules it matches."""
-        return cls(name, module_types, False, False, False, must_match)
+        """A rule that disables every quantizer of the modules it matches (an attention's KV cache included)."""
+        return cls(name, module_types, False, False, False, must_match, key=False, value=False)
 
     def matches(self, canonical_name: str, module: nn.Module) -> bool:
         """True when this rule applies to `module`, named `canonical_name` (wrapper prefixes removed).
@@ -167,6 +192,7 @@ class QuantRule:
             "module_types": [module_type_name(t) for t in self.module_types],
             **{f: _slot_to_dict(getattr(self, f)) for f in SLOTS},
             "must_match": self.must_match,
+            **{f: _slot_to_dict(getattr(self, f)) for f in KV_SLOTS},
         }
 
     @classmethod
@@ -175,10 +201,11 @@ class QuantRule:
         classes (`register_module_type`), never by import."""
         if not isinstance(d, dict):
             raise ConfigError(f"QuantRule.from_dict: expected a dict, got {type(d).__name__}")
-        unknown = set(d) - {"name", "module_types", *SLOTS, "must_match"}
+        unknown = set(d) - {"name", "module_types", *SLOTS, "must_match", *KV_SLOTS}
         if unknown:
             raise ConfigError(
-                f"QuantRule.from_dict: unknown fields {sorted(unknown)}; allowed: name, module_types, input, weight, output, must_match"
+                f"QuantRule.from_dict: unknown fields {sorted(unknown)}; allowed: name, module_types, input, weight, output, "
+                "must_match, key, value"
             )
         known = _known_classes(module_types)
         names = d.get("module_types", ())
@@ -189,6 +216,7 @@ class QuantRule:
             tuple(_resolve_class(n, known) for n in names),
             **{f: _slot_from_dict(f, d.get(f)) for f in SLOTS},
             must_match=d.get("must_match", True),
+            **{f: _slot_from_dict(f, d.get(f)) for f in KV_SLOTS},
         )
 
 
@@ -231,11 +259,11 @@ class QuantConfig:
         return dataclasses.replace(self, rules=self.rules + tuple(rules))
 
     def resolve(self, canonical_name: str, module: nn.Module) -> dict[str, Quantizer | None]:
-        """The quantizer of each slot for one module (None: disabled)."""
-        out: dict[str, Quantizer | None] = dict.fromkeys(SLOTS)
+        """The quantizer of each slot (input, weight, output, key, value) for one module (None: disabled)."""
+        out: dict[str, Quantizer | None] = dict.fromkeys((*SLOTS, *KV_SLOTS))
         for rule in self.rules:
             if rule.matches(canonical_name, module):
-                for f in SLOTS:
+                for f in out:
                     v = getattr(rule, f)
                     if v is not None:
                         out[f] = v or None

@@ -36,16 +36,29 @@ from tqcompile.api import quantize
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.quantizers import Granularity, Quantizer, geometry
 
-__all__ = ["fake_quantize", "fake_quantize_grouped", "TensorQuantizer", "static_amax_kind", "static_weight_amax", "round_to_nearest"]
+__all__ = [
+    "fake_quantize",
+    "fake_quantize_grouped",
+    "TensorQuantizer",
+    "static_amax_kind",
+    "static_weight_amax",
+    "round_to_nearest",
+    "UNIT_ROLES",
+]
+
+
+# Roles whose scaling units are fixed by the model, not by the data: a weight's rows and blocks, a
+# KV cache's heads. Only these keep a static amax per unit; an activation's rows are its tokens.
+UNIT_ROLES = ("weight", "key", "value")
 
 
 def static_amax_kind(q: Quantizer | None, role: str) -> str | None:
-    """ "tensor" (one static amax per tensor), "unit" (one per scaling unit: weights only) or None (dynamic)."""
+    """ "tensor" (one static amax per tensor), "unit" (one per scaling unit: weights and KV heads) or None (dynamic)."""
     if q is None or not q.takes_static_amax():
         return None
     if q.uses_tensor_amax():
         return "tensor"
-    return "unit" if role == "weight" else None
+    return "unit" if role in UNIT_ROLES else None
 
 
 def static_weight_amax(w: torch.Tensor, q: Quantizer) -> torch.Tensor | None:
@@ -211,19 +224,29 @@ class TensorQuantizer(nn.Module):
         return f"{self.role}: {self.quantizer!r}{amax}" if self.enabled else f"{self.role}: disabled"
 
     # --- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, *, channel_dim: int | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, channel_dim: int | None = None, ends: torch.Tensor | None = None, unit_dim: int | None = None
+    ) -> torch.Tensor:
         """Fake-quantize `x` (or, while calibrating, record its statistics and return it unchanged).
 
         `channel_dim`: a conv/norm activation's channel dim, moved last while quantizing so that
         blocks and rows run along channels. `ends`: for an experts input, the (T, in) tokens are
         sorted by expert and `ends` holds the cumulative per-expert token counts; each expert's
-        tokens get that expert's amax.
+        tokens get that expert's amax. `unit_dim`: the dim whose index is the scaling unit (a KV
+        cache's head): a rowwise quantizer sees `x` as one row per index of that dim.
         """
         if self.observer is not None:
             self.observer(x, ends)
         q = self.quantizer
         if q is None:
             return x
+        if unit_dim is not None and q.layout()[0] is not Granularity.TENSORWISE:
+            rows = x.movedim(unit_dim, 0)
+            flat = rows.reshape(rows.shape[0], -1)
+            if self.calibrating:
+                self._record(flat, None)
+                return x
+            return self._fake_quant(flat, None).view(rows.shape).movedim(0, unit_dim)
         moved = channel_dim is not None and q.layout()[0] is not Granularity.TENSORWISE and x.dim() > 1
         if moved:
             x = x.movedim(channel_dim, -1)
@@ -274,21 +297,28 @@ class TensorQuantizer(nn.Module):
                 a = gops.grouped_amax(x, self.quantizer, ends, False)
                 seen = torch.diff(ends, prepend=ends.new_zeros(1)) > 0  # an expert without tokens stays unseen
                 self.stat_max = torch.maximum(self.stat_max, torch.where(seen, a, -1.0))
+            elif self.static_kind == "unit":  # KV heads: one row each (`forward`'s unit_dim)
+                from tqcompile.kernels.reference import unit_amax
+
+                self.stat_max = torch.maximum(self.stat_max, unit_amax(x, self.quantizer))
             else:
                 from tqcompile import ops
 
                 self.stat_max = torch.maximum(self.stat_max, ops.amax(x, self.quantizer))
 
     def _record_hist(self, x: torch.Tensor) -> None:
-        top = float(self.hist_max)
-        a = x.detach().float().abs().flatten()
-        if bool((a > top).any()):
-            # The second pass saw values beyond the first pass's max (forward_loop ran other data):
-            # histc would drop them, biasing the percentile low; count them in the top bin instead.
-            self.beyond_max = True
-            a = a.clamp(max=top)
-        counts = torch.histc(a, bins=HIST_BINS, min=0.0, max=top if top > 0 else 1.0)
-        self.hist += counts.double()
+        # One histogram per static amax: `hist` is (units, HIST_BINS), a tensor-level amax one unit.
+        tops = self.hist_max.reshape(-1)
+        rows = x.detach().float().abs().reshape(tops.numel(), -1)
+        for i in range(tops.numel()):
+            top, a = float(tops[i]), rows[i]
+            if bool((a > top).any()):
+                # The second pass saw values beyond the first pass's max (forward_loop ran other data):
+                # histc would drop them, biasing the percentile low; count them in the top bin instead.
+                self.beyond_max = True
+                a = a.clamp(max=top)
+            counts = torch.histc(a, bins=HIST_BINS, min=0.0, max=top if top > 0 else 1.0)
+            self.hist[i] += counts.double()
 
 
 HIST_BINS = 2048

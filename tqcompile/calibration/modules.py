@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tqcompile.calibration.attention import ATTENTION_MIXINS, ATTENTION_SLOTS, AttentionQuantizers, kv_layout
 from tqcompile.calibration.config import SLOTS, register_module_type
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.fused import FUSED_SIBLINGS  # re-exported: its home is fused.py
@@ -65,6 +66,7 @@ __all__ = [
     "register_mixin",
     "is_fake_quant_experts",
     "runs_its_quantizers",
+    "unit_slots",
 ]
 
 
@@ -251,7 +253,7 @@ _FORWARD_OWNER = {
 }
 # The mixins tq.calibrate (and tq.compress, `register_mixin`) generate classes with: `base_class`
 # sees through those classes only.
-_MIXINS = {*(mixin for _, _, mixin, _ in _KINDS), _ExpertsFQ}
+_MIXINS = {*(mixin for _, _, mixin, _ in _KINDS), _ExpertsFQ, *ATTENTION_MIXINS}
 
 
 def is_fake_quant_experts(module: nn.Module) -> bool:
@@ -263,7 +265,7 @@ def runs_its_quantizers(module: nn.Module) -> bool:
     """Whether the module's class runs its quantizers: a fake-quant class, or a class a registered
     mixin made (`register_mixin`: `tq.compress`'s packed modules). False for a module that kept its
     quantizer children but lost such a class (`tq.calibration.reattach`)."""
-    return isinstance(module, FakeQuantModule) or mixin_of(type(module)) in _MIXINS
+    return isinstance(module, FakeQuantModule | AttentionQuantizers) or mixin_of(type(module)) in _MIXINS
 
 
 def register_mixin(mixin: type) -> type:
@@ -296,7 +298,7 @@ def base_class(module: nn.Module) -> type:
 def holds_quantizers(module: nn.Module) -> bool:
     """Whether `module` is already fake-quantized (holds quantizer slots), as opposed to a float
     module or a fresh experts GEMM unit of `quant_units`."""
-    return any(isinstance(module._modules.get(f"{s}_quantizer"), TensorQuantizer) for s in SLOTS)
+    return any(isinstance(module._modules.get(f"{s}_quantizer"), TensorQuantizer) for s in (*SLOTS, *ATTENTION_SLOTS))
 
 
 def class_name(module: nn.Module) -> str:
@@ -326,10 +328,18 @@ def kind_of(module: nn.Module) -> tuple[str, type | None, tuple[str, ...]] | Non
     if isinstance(module, ExpertGemmQuantizers):
         return "Experts", None, SLOTS  # born fake-quantized: no class to swap
     base = base_class(module)
+    layout = kv_layout(module, base)
+    if layout is not None:
+        return "Attention", layout.mixin, ATTENTION_SLOTS
     for cls, kind, mixin, slots in _KINDS:
         if issubclass(base, cls):
             return kind, mixin, slots
     return None
+
+
+def unit_slots(module: nn.Module) -> tuple[str, ...]:
+    """The quantizer slots of a quantizable unit: key and value for attention, else input, weight, output."""
+    return ATTENTION_SLOTS if kind_of(module)[0] == "Attention" else SLOTS
 
 
 def unsupported_reason(module: nn.Module) -> str | None:
@@ -385,6 +395,8 @@ def static_amax_shape(module: nn.Module, slot: str, q: Quantizer | None) -> tupl
     kind = static_amax_kind(q, slot)
     if kind is None:
         return None
+    if slot in ATTENTION_SLOTS:
+        return (kv_layout(module, base_class(module)).kv_heads, 1) if kind == "unit" else ()
     experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS and slot != "output" else None
     if slot == "weight":
         w = weight_view(module, module.weight)
@@ -402,6 +414,14 @@ def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> 
     `ExpertGemmQuantizers` is attached to its experts module, which gets the fake-quant experts class.
     Run it through `tqcompile.surgery.plan.apply` (with the experts module in `touches`), whose
     `Undo` puts the model back exactly."""
+    if kind_of(module)[0] == "Attention":
+        for slot in ATTENTION_SLOTS:
+            module.add_module(f"{slot}_quantizer", TensorQuantizer(quantizers.get(slot), slot, name, None, ste))
+        layout = kv_layout(module, base_class(module))
+        if layout.cache_arg is not None:
+            module.tq_cache_arg = layout.cache_arg
+        swap_class(module)
+        return
     experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS else None
     for slot in SLOTS:
         module.add_module(

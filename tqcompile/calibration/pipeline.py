@@ -40,7 +40,8 @@ from torch import nn
 
 from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
-from tqcompile.calibration.config import SLOTS, ConfigError, QuantConfig
+from tqcompile.calibration.attention import AttentionQuantizers
+from tqcompile.calibration.config import KV_SLOTS, SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer, static_weight_amax
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.layer_stats import WeightUndo
@@ -65,7 +66,7 @@ from tqcompile.calibration.passes import CalibrationWarning
 from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
 from tqcompile.calibration.transforms import run_transforms
-from tqcompile.quantizers import Quantizer, geometry
+from tqcompile.quantizers import Granularity, Quantizer, geometry
 from tqcompile.surgery.checks import check_not_meta, check_not_sharded
 from tqcompile.surgery.names import canonical_modules, unwrap
 from tqcompile.surgery.plan import Decision, Undo, apply
@@ -92,7 +93,7 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
     planned, matched, skipped = [], [False] * len(config.rules), []
     parent_reads = read_by_parent(model)
     for name, module in quant_units(model):
-        if isinstance(module, FakeQuantModule) and holds_quantizers(module):
+        if isinstance(module, FakeQuantModule | AttentionQuantizers) and holds_quantizers(module):
             raise ValueError(
                 f"tq.calibrate: module {name!r} is already fake-quantized; calibrate a freshly built model (or use tq.restore)"
             )
@@ -106,8 +107,14 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
         kind, _, allowed = found
         reason = unsupported_reason(module) or parent_reads.get(id(module))
         quantizers = config.resolve(name, module)
+        if kind == "Attention":
+            # Converted only where a rule enables its KV cache: a model without one keeps its attention as it was.
+            kv = {s: quantizers[s] for s in KV_SLOTS}
+            if any(kv.values()):
+                planned.append(unit_decision(name, module, kv))
+            continue
         if reason:
-            if any(quantizers.values()):
+            if any(quantizers[s] for s in SLOTS):
                 skipped.append(f"  {name} ({class_name(module)}): {reason}")
             planned.append(unit_decision(name, module, quantizers, "skip", reason))
             continue
@@ -137,6 +144,15 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                 skipped.append(f"  {name} ({class_name(module)}): {note}")
                 quantizers["weight"] = None
         planned.append(unit_decision(name, module, quantizers, reason=note))
+    kv_rules = [r for r in config.rules if any(isinstance(getattr(r, f), Quantizer) for f in KV_SLOTS)]
+    if kv_rules and warn_unmatched and not any(kind_of(d.module)[0] == "Attention" for d in planned):
+        warnings.warn(
+            f"tq.calibrate: {kv_rules[0].describe()} quantizes the KV cache, but no attention module of the model takes "
+            "KV-cache quantizers (Hugging Face attention whose forward takes past_key_values, or nn.MultiheadAttention, "
+            "matched by the rule)",
+            CalibrationWarning,
+            stacklevel=3,
+        )
     if warn_unmatched:
         for i, rule in enumerate(config.rules):
             if rule.must_match and not matched[i]:
@@ -258,10 +274,11 @@ def calibrate(
             methods, fixed = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo)
         for p in planned:
             for t in p.module.quantizers().values():
-                if t.role != "weight" and t.static_kind == "tensor":
+                if t.role != "weight" and t.static_kind is not None:
                     # Every rank holds every statistic, seen or not (-1: no data yet), so the
                     # reductions line up across ranks whatever data each one got.
-                    t.stat_max = torch.full((t.num_experts,) if t.num_experts else (), -1.0, device=module_device(p.module))
+                    shape = static_amax_shape(p.module, t.role, t.quantizer)
+                    t.stat_max = torch.full(shape, -1.0, device=module_device(p.module))
         search = algo.scale_search
         if forward_loop is None:
             _check_data_free(planned)
@@ -280,7 +297,7 @@ def calibrate(
             hist_tqs = [t for t in tqs if _uses_histogram(t)]
             for t in hist_tqs:
                 t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
-                t.hist = torch.zeros(HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
+                t.hist = torch.zeros(t.stat_max.numel(), HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
             _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
             _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
         _finalize(planned, search, percentile, groups, methods, fixed)
@@ -358,8 +375,9 @@ def _quantizers(planned: list[Decision]) -> list[TensorQuantizer]:
 
 
 def _uses_histogram(t: TensorQuantizer) -> bool:
+    """Static activation amaxes per tensor, and per KV head (the only activations with static units)."""
     return (
-        t.role != "weight" and t.static_kind == "tensor" and t.num_experts is None and not t.quantizer.has_global_scale()
+        t.role != "weight" and t.static_kind is not None and t.num_experts is None and not t.quantizer.has_global_scale()
     )
 
 
@@ -437,30 +455,42 @@ def _activation_amax(name: str, t: TensorQuantizer, algorithm: str, percentile: 
         return _expert_amax(name, t.stat_max)
     if not _uses_histogram(t) or algorithm == "max":
         return t.stat_max
-    edges = torch.linspace(0.0, float(t.hist_max), HIST_BINS + 1, dtype=torch.float64)
+    # One histogram per static amax (a KV cache's heads; one for a tensor-level amax), each searched
+    # with the quantizer one unit sees: tensorwise.
+    q = t.quantizer
+    if q.layout()[0] is not Granularity.TENSORWISE:
+        q = dataclasses.replace(q, granularity=Granularity.TENSORWISE)
+    tops = t.hist_max.reshape(-1)
+    found = [_histogram_amax(t.hist[i], float(tops[i]), q, algorithm, percentile) for i in range(tops.numel())]
+    return torch.stack(found).reshape(t.stat_max.shape).to(t.stat_max.device)
+
+
+def _histogram_amax(hist: torch.Tensor, top: float, q: Quantizer, algorithm: str, percentile: float) -> torch.Tensor:
+    """The "percentile" or "mse" amax of one histogram of |x| over [0, top]."""
+    edges = torch.linspace(0.0, top, HIST_BINS + 1, dtype=torch.float64)
     if algorithm == "percentile":
-        cdf = t.hist.cumsum(0) / t.hist.sum()
+        cdf = hist.cumsum(0) / hist.sum()
         idx = int(torch.searchsorted(cdf, torch.tensor(percentile / 100.0, dtype=cdf.dtype)).clamp(max=HIST_BINS - 1))
-        return edges[idx + 1].to(torch.float32).to(t.stat_max.device)
-    return _mse_amax(t, edges)
+        return edges[idx + 1].to(torch.float32)
+    return _mse_amax(hist, edges, q)
 
 
-def _mse_amax(t: TensorQuantizer, edges: torch.Tensor) -> torch.Tensor:
+def _mse_amax(hist: torch.Tensor, edges: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """The clipping value minimising the histogram-weighted squared error of fake quantization.
 
     Candidates are bin edges spaced geometrically (finer where small clips are), each tried with
     the library's own quantize on the bin centres."""
     centers = ((edges[:-1] + edges[1:]) / 2).to(torch.float32)
-    counts = t.hist.to(torch.float64)
+    counts = hist.to(torch.float64)
     ks = torch.unique(torch.logspace(0, math.log10(HIST_BINS), _MSE_CANDIDATES).round().long())
     best, best_err = edges[-1].to(torch.float32), math.inf
     for k in ks.tolist():
         c = edges[k].to(torch.float32)
-        dq = quantize(centers, t.quantizer, amax=c).dequantize()
+        dq = quantize(centers, q, amax=c).dequantize()
         err = float((((dq - centers).double()) ** 2 * counts).sum())
         if err < best_err:
             best, best_err = c, err
-    return best.to(t.stat_max.device)
+    return best
 
 
 def _expert_amax(name: str, per_expert: torch.Tensor) -> torch.Tensor:

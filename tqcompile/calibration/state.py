@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tqcompile.calibration.config import SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
+from tqcompile.calibration.attention import AttentionQuantizers
+from tqcompile.calibration.config import QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
     SHARDED_FIX,
+    class_name,
     convert_module,
     holds_quantizers,
     kind_of,
@@ -41,6 +43,7 @@ from tqcompile.calibration.modules import (
     static_amax_shape,
     swap_class,
     unit_decision,
+    unit_slots,
     unsupported_reason,
 )
 from tqcompile.calibration.pipeline import CalibrationRecord, CalibrationWarning, set_record
@@ -134,6 +137,12 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
             if op is not None and op.method is not None:
                 entry[s]["method"] = op.method  # how GPTQ / AWQ / SmoothQuant made the weight, for tq.summary
         modules[name] = entry
+    for name, module in attention_units(model):
+        modules[name] = {
+            "kind": "Attention",
+            **{s: {"quantizer": None if t.quantizer is None else quantizer_to_dict(t.quantizer), "amax": _amax_of(name, s, t.amax)}
+               for s, t in module.quantizers().items()},
+        }
     return {
         "format": STATE_FORMAT,
         "config": rec.config.to_dict(),
@@ -141,6 +150,20 @@ def quant_state(model: nn.Module, *, expert_mesh: DeviceMesh | None = None) -> d
         "percentile": rec.percentile,
         "modules": modules,
     }
+
+
+def attention_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(canonical name, module) of every attention module holding KV-cache quantizers."""
+    return ((n, m) for n, m in canonical_modules(model) if isinstance(m, AttentionQuantizers))
+
+
+def _amax_of(name: str, slot: str, amax: torch.Tensor | None) -> torch.Tensor | None:
+    if amax is not None and amax.is_meta:
+        raise ValueError(
+            f"tq.quant_state: the {slot} amax of {name!r} is on the meta device (it holds no values); save the state of a "
+            "model with real weights, calibrated or restored on a real device"
+        )
+    return None if amax is None else amax.detach()
 
 
 def _check_state(state: Any) -> None:
@@ -174,7 +197,10 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
     for name, module in quant_units(model):
         if holds_quantizers(module):
             raise ValueError(f"tq.restore: module {name!r} is already fake-quantized; restore into a freshly built float model")
-        if kind_of(module) is not None and unsupported_reason(module) is None and id(module) not in parent_reads:
+        found = kind_of(module)
+        if found is not None and found[0] == "Attention" and name not in state["modules"]:
+            continue  # converted only where the state has KV-cache quantizers for it (a calibrated model's are)
+        if found is not None and unsupported_reason(module) is None and id(module) not in parent_reads:
             check_not_sharded("tq.restore", "module", name, params_owner(module), SHARDED_FIX.format(who="tq.restore"))
             current[name] = module
     saved: dict[str, Any] = state["modules"]
@@ -191,12 +217,13 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         kind = kind_of(module)[0]
         if entry["kind"] != kind:
             raise ValueError(f"tq.restore: module {name!r} is a {kind} in the model but a {entry['kind']} in the state")
+        slots = unit_slots(module)
         qs = {
             s: None if entry[s]["quantizer"] is None else quantizer_from_dict(entry[s]["quantizer"], f"state[{name!r}].{s}")
-            for s in SLOTS
+            for s in slots
         }
-        amaxes = {s: _own_shard(entry[s]["amax"]) for s in SLOTS}
-        for s in SLOTS:
+        amaxes = {s: _own_shard(entry[s]["amax"]) for s in slots}
+        for s in slots:
             _check_amax(name, module, s, qs[s], amaxes[s])
         plan.append(unit_decision(name, module, (qs, amaxes)))
 
@@ -329,6 +356,8 @@ class SummaryRow:
     weight: str
     output: str
     method: str = ""  # how a weight transform made the weight ("gptq", "awq+max", "smoothquant+gptq"); "" for none
+    key: str = ""  # an attention's KV-cache quantizers; "" for other modules
+    value: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,17 +369,21 @@ class QuantSummary:
     def __str__(self) -> str:
         head = ("module", "class", "kind", "input", "weight", "output")
         with_method = any(r.method for r in self.rows)
+        with_kv = any(r.key or r.value for r in self.rows)
         if with_method:
             head += ("method",)
+        if with_kv:
+            head += ("key", "value")
         cells = [head] + [
             (r.name or "<root>", r.module_class, r.kind, r.input, r.weight, r.output)
             + ((r.method or "-",) if with_method else ())
+            + ((r.key or "-", r.value or "-") if with_kv else ())
             for r in self.rows
         ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        enabled = sum(1 for r in self.rows for s in (r.input, r.weight, r.output) if s != "off")
+        enabled = sum(1 for r in self.rows for s in (r.input, r.weight, r.output, r.key, r.value) if s not in ("off", "-", ""))
         lines.append(f"{len(self.rows)} quantizable modules, {enabled} quantizers enabled")
         return "\n".join(lines)
 
@@ -369,6 +402,13 @@ def summary(model: nn.Module) -> QuantSummary:
         _warn_detached(spec, "tq.summary")
         method = spec.weight.method if spec.weight is not None else None
         rows.append(SummaryRow(spec.name, spec.module_class, spec.kind, *map(_describe, spec.operands().values()), method or ""))
+    for name, module in attention_units(model):
+        # ROWWISE on an attention's KV cache is one scale per KV head (tqcompile.calibration.attention).
+        kv = {
+            s: _describe(None if t.quantizer is None else OperandSpec(t.quantizer, t.amax)).replace("per-channel", "per-head")
+            for s, t in module.quantizers().items()
+        }
+        rows.append(SummaryRow(name, class_name(module), "Attention", "-", "-", "-", key=kv["key"], value=kv["value"]))
     if not rows:
         raise ValueError("tq.summary: the model has no fake-quantized module; run tq.calibrate or tq.restore first")
     return QuantSummary(tuple(rows))

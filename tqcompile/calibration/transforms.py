@@ -86,7 +86,7 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     ({id(unit): method}, {id(unit): static weight amax fixed by GPTQ})."""
     root = unwrap(model)
     names = {id(p.module): p.name for p in planned}
-    units = [(p.name, p.module) for p in planned if p.module.weight_quantizer.enabled and kind_of(p.module)[0] in TRANSFORM_KINDS]
+    units = [(p.name, p.module) for p in planned if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]
     device = module_device(units[0][1]) if units else torch.device("cpu")
     ctx = Context(model, root, forward_loop, plan, tuple(amax_groups), progress, undo, names, tied_parameters(model), device)
     groups = sequential_groups(model, units, sequential)

@@ -33,7 +33,7 @@ from torch import nn
 
 from tqcompile.export.families import global_scale
 from tqcompile.export.scales import GlobalScaleTensor
-from tqcompile.export.units import ExportUnit, QuantizedWeight
+from tqcompile.export.units import ExportError, ExportUnit, QuantizedWeight
 from tqcompile.kernels.reference import tensor_scale_inv
 from tqcompile.quantizers import Quantizer
 
@@ -99,6 +99,20 @@ class CheckpointFormat(abc.ABC):
         if q.has_global_scale():
             return self.INPUT_GLOBAL_SCALE.name, self.INPUT_GLOBAL_SCALE.stored(global_scale(q, amax))
         return "input_scale", tensor_scale_inv(amax, q)
+
+    # --- the KV cache (`tqcompile.export.kv_cache`) ---------------------------------------------
+    def kv_cache_config(self, qconfig: dict, files: dict[str, dict], q: Quantizer) -> None:
+        """Name the KV-cache scheme of `q` in `qconfig` (config.json's quantization_config) and in
+        the format's own `files` ({name: content}), in place; `ExportError` where the format holds none."""
+        raise ExportError(f"tq.export: format {self.NAME!r} holds no KV-cache scales; use format='compressed-tensors'")
+
+    def kv_cache_tensors(self, q: Quantizer, key_scale: torch.Tensor, value_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{local name under the attention: tensor} of one attention's KV scales (fp32, `scale_inv`)."""
+        raise ExportError(f"tq.export: format {self.NAME!r} holds no KV-cache scales")
+
+    def kv_cache_quantizer(self, qc: dict) -> Quantizer | None:
+        """The tq KV quantizer the checkpoint's config names, or None (no KV scheme)."""
+        return None
 
     def weight_global_scale(self, qw: QuantizedWeight, q) -> torch.Tensor:
         """The stored global scale of a weight quantized with `q` (`has_global_scale()`)."""

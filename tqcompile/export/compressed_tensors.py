@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tqcompile.export import kv_cache
 from tqcompile.export.checkpoint_format import CheckpointFormat, LayerScheme, register_format
 from tqcompile.export.decode import invert
 from tqcompile.export.families import pack_int32_words, scale_rows
@@ -421,8 +422,7 @@ class CompressedTensors(CheckpointFormat):
         groups = qc.get("config_groups")
         if groups is not None and not (isinstance(groups, dict) and all(isinstance(g, dict) for g in groups.values())):
             raise ExportError(f"tq.load_exported: {path!r}'s quantization_config.config_groups is not an object of config groups")
-        if qc.get("kv_cache_scheme"):
-            raise ExportError("tq.load_exported: the checkpoint quantizes the KV cache (kv_cache_scheme); tq loads weight and input quantization only")
+        self.kv_cache_quantizer(qc)  # a KV scheme tq has no quantizer for is refused before any layer
 
     def scheme_resolver(self, qc: dict, model: nn.Module) -> Callable[[str], LayerScheme]:
         """The config group whose targets name the layer best (`_matches`), as tq quantizers."""
@@ -472,6 +472,35 @@ class CompressedTensors(CheckpointFormat):
                 f"{where}: the scheme ({text}) has no tq quantizer; tq loads what it exports: {self.weight_works()}; {self.input_works()}"
             )
         return dataclasses.replace(found, text=text)
+
+
+    # --- the KV cache (`tqcompile.export.kv_cache`) ---------------------------------------------
+    def kv_cache_config(self, qconfig: dict, files: dict[str, dict], q: Quantizer) -> None:
+        """``kv_cache_scheme``: FP8 E4M3, static, strategy "tensor" or "attn_head" (vLLM's two)."""
+        qconfig["kv_cache_scheme"] = dict(_args(8, "float", "attn_head" if kv_cache.per_head(q) else "tensor"))
+
+    def kv_cache_tensors(self, q: Quantizer, key_scale: torch.Tensor, value_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``k_scale`` / ``v_scale``: (1,) per layer, (kv_heads, 1, 1) per head (llmcompressor's shapes)."""
+        shape = (-1, 1, 1) if kv_cache.per_head(q) else (1,)
+        return {"k_scale": key_scale.reshape(shape), "v_scale": value_scale.reshape(shape)}
+
+    def kv_cache_quantizer(self, qc: dict) -> Quantizer | None:
+        scheme = qc.get("kv_cache_scheme")
+        if not scheme:
+            return None
+        got = {k: scheme.get(k) for k in ("num_bits", "type", "strategy", "dynamic", "symmetric")} if isinstance(scheme, dict) else scheme
+        if not isinstance(scheme, dict) or not (
+            scheme.get("num_bits") == 8
+            and scheme.get("type") == "float"
+            and scheme.get("strategy") in ("tensor", "attn_head")
+            and scheme.get("dynamic") in (False, None)
+            and scheme.get("symmetric", True) is True
+        ):
+            raise ExportError(
+                f"tq.load_exported: kv_cache_scheme {got!r} has no tq quantizer; tq loads FP8 (num_bits 8, type float) "
+                "symmetric static KV caches with strategy 'tensor' or 'attn_head'"
+            )
+        return kv_cache.kv_quantizer_for(scheme["strategy"] == "attn_head")
 
 
 COMPRESSED_TENSORS = register_format(CompressedTensors())

@@ -27,16 +27,25 @@ from torch import nn
 from tqcompile.calibration.config import QuantConfig, QuantRule
 from tqcompile.calibration.fake_quant import static_amax_kind
 from tqcompile.calibration.fused import share_fused_weight_amax
-from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers, kind_of, module_device, quant_units
+from tqcompile.calibration.modules import (
+    ExpertGemmQuantizers,
+    holds_quantizers,
+    kind_of,
+    module_device,
+    quant_units,
+    static_amax_shape,
+)
 from tqcompile.calibration.pipeline import CalibrationWarning, prepare
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format_for_method, known_layer_tensors
 from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
+from tqcompile.export.kv_cache import KV_TENSORS
 from tqcompile.export.names import Placement, placements
 from tqcompile.export.safetensors_io import dtype_name
+from tqcompile.export.scales import bad_values, scaled_amax
 from tqcompile.export.units import ExportError
 from tqcompile.nn.base import is_converted
-from tqcompile.quantizers import Granularity
+from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.surgery.names import canonical_modules
 
 __all__ = ["load_exported"]
@@ -204,11 +213,13 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     state = _untied_state(model)
     where = placements(model, {k: v.shape for k, v in state.items()})
     units_by_key = _unit_by_weight_key(model)
-    checked = _precheck(model, ckpt, state, where, quantized, units_by_key, resolve, fmt)
+    kv_q = fmt.kv_cache_quantizer(qc)
+    kv, kv_inexact = _kv_cache(model, ckpt, kv_q)
+    checked = _precheck(model, ckpt, state, where, quantized, units_by_key, resolve, fmt, {f"{n}.{t}" for n in kv for t in KV_TENSORS.values()})
     # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
     # in place (memory holds the model and one layer, not a second copy of the model).
     units: list[tuple[nn.Module, _Unit]] = []
-    mismatch, notes, counts = [], [], {"inexact": 0, "rceil": 0, "fp8": 0, "pow2": 0}
+    mismatch, notes, counts = [], [], {"inexact": kv_inexact, "rceil": 0, "fp8": 0, "pow2": 0}
     with torch.no_grad():
         for key, value in state.items():
             ps, target = where[key], value.detach()
@@ -227,7 +238,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     rceil, pow2 = counts["rceil"] > 0, counts["fp8"] > 0 and counts["pow2"] == counts["fp8"]
     for _, u in units:
         u.scheme = with_scale_rules(u.scheme, rceil=rceil, pow2=pow2)
-    _convert(model, units)
+    _convert(model, units, kv_q, kv)
     # As tq.calibrate gives them (tq's own checkpoints already hold one global scale per group).
     for differed in share_fused_weight_amax([(u.name, model.get_submodule(u.name)) for _, u in units]):
         notes.append(f"NVFP4 layers that engines fuse into one GEMM hold different global scales ({differed}); the model gives them one amax, the max of theirs")
@@ -254,11 +265,14 @@ def _slot_shape(shape: torch.Size, p: Placement, experts: bool) -> tuple[int, ..
     return (p.rows.numel(), *s[1:]) if p.rows is not None and s else s
 
 
-def _precheck(model, ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, fmt) -> dict:
+def _precheck(
+    model, ckpt: CheckpointFiles, state: dict, where: dict, quantized: set[str], units_by_key: dict, resolve, fmt, kv_names: set[str]
+) -> dict:
     """Names and shapes against the checkpoint's headers, then every tensor (`_check_layers`),
     before any tensor is written into the model: a checkpoint of another architecture, or a
-    corrupt one, changes nothing. Returns each quantized layer's scheme."""
-    missing, mismatch, known = [], [], set()
+    corrupt one, changes nothing (`kv_names`: the KV-cache scales, checked by `_kv_cache`).
+    Returns each quantized layer's scheme."""
+    missing, mismatch, known = [], [], set(kv_names)
     for key, value in state.items():
         ps = where[key]
         q_ps = [p for p in ps if _prefix(p.name) in quantized]
@@ -396,13 +410,57 @@ def _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, 
     return unit
 
 
-def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]]) -> None:
+def _kv_cache(model: nn.Module, ckpt: CheckpointFiles, q: Quantizer | None) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
+    """({attention name: (key amax, value amax)}, how many scales have no exact amax) from the
+    checkpoint's KV-cache scales (`tqcompile.export.kv_cache`), every one checked: each attention
+    of the model has both, shaped as the scheme `q` says, finite and positive; none is left over."""
+    held = {k.rpartition(".")[0] for k in ckpt.entries if k.endswith(tuple(f".{t}" for t in KV_TENSORS.values()))}
+    if q is None:
+        if held:
+            raise ExportError(
+                f"tq.load_exported: the checkpoint holds KV-cache scales ({sorted(held)[0]}.k_scale, ...) but its config names no "
+                "KV-cache scheme (kv_cache_scheme / kv_cache_quant_algo): the config and the tensors disagree"
+            )
+        return {}, 0
+    attentions = {n: m for n, m in quant_units(model) if (found := kind_of(m)) is not None and found[0] == "Attention"}
+    lacking = sorted(set(attentions) - held)
+    strays = sorted(held - set(attentions))
+    if lacking or strays or not attentions:
+        raise ExportError(
+            f"tq.load_exported: the checkpoint quantizes the KV cache, but its scales do not match the model's attention modules: "
+            f"attentions without k_scale/v_scale: {lacking or 'none'}; scales of no attention of the model: {strays or 'none'}"
+        )
+    out, inexact = {}, 0
+    for name, module in attentions.items():
+        want = static_amax_shape(module, "key", q)
+        amaxes = []
+        for local in KV_TENSORS.values():
+            t = ckpt.get(f"{name}.{local}")
+            if t is None:
+                raise ExportError(f"tq.load_exported: attention {name!r} lacks its {local}")
+            n = 1 if not want else want[0]
+            problem = (None if t.numel() == n else f"{t.numel()} values where the scheme has {n}") or bad_values(t, zero_ok=False)
+            if problem:
+                raise ExportError(f"tq.load_exported: {name}.{local} holds {problem}; KV scales are finite and positive, one per layer or per KV head")
+            amax, more = scaled_amax(t.float().reshape(want), q)
+            amaxes.append(amax)
+            inexact += more
+        out[name] = (amaxes[0], amaxes[1])
+    return out, inexact
+
+
+def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]], kv_q: Quantizer | None = None, kv: dict | None = None) -> None:
     """Convert as `tq.calibrate` does (every quantizable module; the loaded layers with their
-    checkpoint's quantizers), then set the amaxes. A dynamic per-tensor input (what `tq.export`
-    writes for a training recipe's activations) keeps no amax: its scale comes from each input,
-    as in the engines (calibration would have made it static)."""
+    checkpoint's quantizers, the attentions with the KV cache's), then set the amaxes. A dynamic
+    per-tensor input (what `tq.export` writes for a training recipe's activations) keeps no amax:
+    its scale comes from each input, as in the engines (calibration would have made it static)."""
     rules = tuple(QuantRule(name=u.name, input=u.scheme.input_q or False, weight=u.scheme.weight_q, output=False) for _, u in units)
+    rules += tuple(QuantRule(name=name, key=kv_q, value=kv_q) for name in kv or {})
     prepare(model, QuantConfig(rules))
+    for name, (key_amax, value_amax) in (kv or {}).items():
+        m = model.get_submodule(name)
+        m.key_quantizer.set_amax(key_amax.to(module_device(m)))
+        m.value_quantizer.set_amax(value_amax.to(module_device(m)))
     for _, u in units:
         m = model.get_submodule(u.name)
         device = module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tqcompile.export import kv_cache
 from tqcompile.export.checkpoint_format import CheckpointFormat, LayerScheme, register_format
 from tqcompile.export.decode import invert
 from tqcompile.export.families import scale_rows
@@ -196,6 +197,31 @@ class ModelOpt(CheckpointFormat):
         if found is None:
             raise ExportError(f"tq.load_exported: ModelOpt quant_algo {algo!r} has no tq quantizer; {self.WORKS}")
         return dataclasses.replace(found, text=f"modelopt {algo}")
+
+
+    # --- the KV cache (`tqcompile.export.kv_cache`) ---------------------------------------------
+    def kv_cache_config(self, qconfig: dict, files: dict[str, dict], q: Quantizer) -> None:
+        """``kv_cache_quant_algo: "FP8"``, in config.json and hf_quant_config.json alike."""
+        if kv_cache.per_head(q):
+            raise ExportError(
+                "tq.export: the KV cache is quantized per head; vLLM's ModelOpt loader takes one k_scale / v_scale per "
+                "layer (kv_cache_quant_algo FP8): use tq.configs.fp8_kv_cache() (per layer), or format='compressed-tensors' "
+                "(its 'attn_head' strategy)"
+            )
+        for content in (qconfig, *files.values()):
+            content["quantization"]["kv_cache_quant_algo"] = "FP8"
+
+    def kv_cache_tensors(self, q: Quantizer, key_scale: torch.Tensor, value_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``k_scale`` / ``v_scale``, fp32 scalars (vLLM's KVCacheScaleParameter)."""
+        return {"k_scale": key_scale.reshape(()), "v_scale": value_scale.reshape(())}
+
+    def kv_cache_quantizer(self, qc: dict) -> Quantizer | None:
+        algo = (qc.get("quantization") or qc).get("kv_cache_quant_algo")
+        if algo is None:
+            return None
+        if str(algo).upper() != "FP8":
+            raise ExportError(f"tq.load_exported: ModelOpt kv_cache_quant_algo {algo!r} has no tq quantizer; tq loads 'FP8'")
+        return kv_cache.kv_quantizer_for(False)
 
 
 MODELOPT = register_format(ModelOpt())

@@ -15,6 +15,7 @@ from torch import nn
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat
 from tqcompile.export.checks import ExportWarning, check_experts, check_fused, check_scales, extra_targets, shared_global_amax
 from tqcompile.export.files import Destination
+from tqcompile.export.kv_cache import kv_cache_units, kv_scale
 from tqcompile.export.names import Placement, is_hf_model, placements
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit
@@ -242,6 +243,9 @@ def export(
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
+    kv = kv_cache_units(model)
+    if kv[0] is not None:
+        fmt.kv_cache_config({"quantization": {}}, {}, kv[0])  # refuses a KV scheme the format cannot hold, before writing
     fmt.check_targets(extra_targets(model, units))
     check_fused(model, schemes)
     if collective not in (None, True, False):
@@ -320,12 +324,16 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
             else:
                 run.quantized_weight(key, value, unit)
             run.agree()
+        kv_q, kv_units = kv_cache_units(model)
+        for u in kv_units:  # after the model's own tensors, as llmcompressor's checkpoints hold them
+            for local, t in fmt.kv_cache_tensors(kv_q, kv_scale(u.key_amax, kv_q), kv_scale(u.value_amax, kv_q)).items():
+                run.emit(f"{u.name}.{local}", t)
         ignored = _ignored(model, where, run.quantized, fmt.IGNORE_EXPERTS)
         targets = extra_targets(model, units)
 
         def finish() -> list[str]:
             shards = writer.finish()
-            _write_configs(model, dest.stage, fmt, run.groups, ignored, targets, dtype)
+            _write_configs(model, dest.stage, fmt, run.groups, ignored, targets, dtype, kv_q)
             dest.commit(sorted(os.listdir(dest.stage)))
             return shards
 
@@ -471,9 +479,14 @@ def _ignored(model: nn.Module, where: dict, quantized: set[str], experts_as: str
     return sorted(n for n in names if n not in quantized)
 
 
-def _write_configs(model: nn.Module, path: str, fmt: CheckpointFormat, groups: dict, ignored: list[str], targets: list[str], dtype) -> None:
+def _write_configs(
+    model: nn.Module, path: str, fmt: CheckpointFormat, groups: dict, ignored: list[str], targets: list[str], dtype, kv_q=None
+) -> None:
     qconfig = fmt.quantization_config(groups, ignored, targets)
-    for name, content in fmt.extra_files(groups, ignored).items():
+    files = fmt.extra_files(groups, ignored)
+    if kv_q is not None:
+        fmt.kv_cache_config(qconfig, files, kv_q)
+    for name, content in files.items():
         with open(os.path.join(path, name), "w") as f:
             json.dump(content, f, indent=2)
     if is_hf_model(model):
