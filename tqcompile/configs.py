@@ -36,8 +36,7 @@ from tqcompile.formats import Format
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntGrid, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
-__all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "default_disabled", "GEMM_LAYERS"]
-__all__ += ["fp8_kv_cache"]
+__all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "fp8_kv_cache", "default_disabled", "GEMM_LAYERS"]
 
 GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear, ExpertGemmQuantizers)
 NORMS: tuple[type, ...] = (
