@@ -8,6 +8,8 @@ bf16, random weights: speed does not depend on them), one thread by default. For
 - prefill tok/s: a forward of 4 x 256 tokens (no cache), eager and compiled;
 - cold compile: seconds of the first compiled prefill and decode calls;
 - weights: bytes the model's parameters and buffers hold (packed payloads and scales counted);
+- KV cache B/token: the bytes the decode's static cache holds per token it can hold (all layers,
+  keys and values; an FP8 KV cache, `tq.configs.fp8_kv_cache()` then `tq.compress`, holds codes);
 - %BW: decode tok/s (compiled) as a fraction of the memory-bandwidth limit, the machine's read
   bandwidth (measured here, one thread: sum of a 512 MB tensor) over the bytes of weights a token reads.
 
@@ -17,7 +19,7 @@ The tq rows calibrate with `max` on random tokens and then `tq.compress` (the de
 torchao rows need torchao (0.18 measured): int8 weight-only, int8 dynamic-activation int8 weight,
 int4 weight-only g128 (its CPU layout).
 
-    python benchmarks/bench_inference.py [--threads 1] [--rounds 3] [--simulated] [--variants bf16,tq-int4]
+    python benchmarks/bench_inference.py [--threads 1] [--rounds 3] [--simulated] [--variants bf16,tq-int4] [--prompt 32]
 """
 
 from __future__ import annotations
@@ -73,11 +75,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def tq_variant(config_name: str, compress: bool, fallback: str = "packed"):
+def tq_variant(config_name: str | None, compress: bool, fallback: str = "packed", kv: bool = False):
+    """A tq row: `config_name`'s preset (None: no weight quantization), with an FP8 KV cache
+    (per-tensor scales) where `kv`."""
+
     def make(base):
         m = copy.deepcopy(base)
         ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(1))
-        tq.calibrate(m, getattr(tq.configs, config_name)(), lambda model: model(ids), progress=False)
+        rules = (tq.configs.fp8_kv_cache(),) if kv else ()
+        config = tq.calibration.QuantConfig(rules) if config_name is None else getattr(tq.configs, config_name)().with_rules(*rules)
+        tq.calibrate(m, config, lambda model: model(ids), progress=False)
         if compress:
             tq.compress(m, fallback=fallback)
         return m
@@ -109,6 +116,8 @@ VARIANTS = {
     "tq-int8_dynamic (W8A8)": tq_variant("int8_dynamic", True),
     "tq-int8_weight_only": tq_variant("int8_weight_only", True),
     "tq-int4_weight_only g128": tq_variant("int4_weight_only", True),
+    "tq-fp8 kv cache (bf16 weights)": tq_variant(None, True, kv=True),
+    "tq-int4_weight_only g128 + fp8 kv cache": tq_variant("int4_weight_only", True, kv=True),
     "tq-fp8 packed": tq_variant("fp8", True),
     "tq-fp8 dequantized": tq_variant("fp8", True, "dequantized"),
     "tq-mxfp8 packed": tq_variant("mxfp8", True),
@@ -176,12 +185,15 @@ class Runner:
 
 
 def main() -> None:
+    global PROMPT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--simulated", action="store_true", help="add the calibrated (fake-quantized) models before compress")
     ap.add_argument("--variants", default="", help="comma-separated names (a prefix of a row name selects it)")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens before the decoded ones (the KV cache's length)")
     args = ap.parse_args()
+    PROMPT = args.prompt
     torch.set_num_threads(args.threads)
     # Every variant compiles the same step function (its own model and cache): one graph each.
     torch._dynamo.config.recompile_limit = 64
@@ -212,9 +224,9 @@ def main() -> None:
             res["pc"].append(r.prefill(True))
     med = {n: {k: statistics.median(v) for k, v in res.items()} for n, res in results.items()}
     ref = med.get("bf16")
-    print(f"torch {torch.__version__}, {args.threads} thread(s), read bandwidth {bw / 1e9:.1f} GB/s, {args.rounds} rounds (medians)\n")
-    print("| variant | decode tok/s eager / compiled | × bf16 (decode, compiled) | prefill tok/s eager / compiled | prefill × bf16 (compiled) | cold compile | weights in memory | %BW (decode, compiled) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"prompt {PROMPT} + {NEW} decoded tokens; torch {torch.__version__}, {args.threads} thread(s), read bandwidth {bw / 1e9:.1f} GB/s, {args.rounds} rounds (medians)\n")
+    print("| variant | decode tok/s eager / compiled | × bf16 (decode, compiled) | prefill tok/s eager / compiled | prefill × bf16 (compiled) | cold compile | weights in memory | KV cache B/token | %BW (decode, compiled) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, m in med.items():
         r = runners[name]
         wb = weight_bytes(r.model)
@@ -223,7 +235,7 @@ def main() -> None:
         xp = f"{m['pc'] / ref['pc']:.2f}" if ref else "-"
         print(
             f"| {name} | {m['de']:.1f} / {m['dc']:.1f} | {xd} | {m['pe']:.0f} / {m['pc']:.0f} | {xp} | {r.compile_s:.0f} s | "
-            f"{wb / 1e6:.0f} MB | {100 * m['dc'] / limit:.0f}% |"
+            f"{wb / 1e6:.0f} MB | {tq.deploy.kv_cache_bytes(r.cache) // (PROMPT + NEW)} | {100 * m['dc'] / limit:.0f}% |"
         )
     for name, why in skipped.items():
         print(f"| {name} | skipped: {why} |")

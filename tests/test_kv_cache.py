@@ -260,10 +260,44 @@ def test_compiled_fake_quant_attention_has_no_graph_break():
 
 
 def test_bad_kv_quantizer_and_unmatched_kv_rule():
-    with pytest.raises(ConfigError, match="key=.*MXQuantizer.*allowed: Float8Quantizer or IntQuantizer"):
+    with pytest.raises(ConfigError, match=r"key=.*MXQuantizer.*allowed: Float8Quantizer\(E4M3\)"):
         QuantRule(key=tq.MXQuantizer())
     model = nn.Sequential(nn.Linear(8, 8))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tq.calibrate(model, tq.configs.int8().with_rules(tq.configs.fp8_kv_cache()), lambda m: m(torch.randn(2, 8)), progress=False)
     assert any(issubclass(w.category, CalibrationWarning) and "no attention module" in str(w.message) for w in caught)
+
+
+def test_a_model_quantizing_only_its_kv_cache_exports_in_compressed_tensors(tmp_path):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model = tiny("llama")
+    tq.calibrate(model, QuantConfig_kv(PER_HEAD), loop, progress=False)
+    tq.export(model, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)
+    assert qc["config_groups"] == {} and qc["format"] == "dense" and parsed.kv_cache_scheme.strategy == "attn_head"
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.1.self_attn.k_scale").shape == (2, 1, 1)
+        assert f.get_tensor("model.layers.1.self_attn.q_proj.weight").dtype == torch.float32  # the float weights, as they are
+    back = tq.load_exported(str(tmp_path))
+    x = batches()[0]
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_modelopt_refuses_a_model_quantizing_only_its_kv_cache(tmp_path):
+    model = tiny("llama")
+    tq.calibrate(model, QuantConfig_kv(PER_TENSOR), loop, progress=False)
+    with pytest.raises(ExportError, match="only its KV cache.*quant_algo.*compressed-tensors"):
+        tq.export(model, tmp_path, format="modelopt")
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("q", [tq.IntQuantizer(), tq.IntQuantizer(granularity=tq.Granularity.ROWWISE), tq.Float8Quantizer(tq.Format.E5M2)])
+def test_a_kv_quantizer_no_engine_loads_is_refused_in_the_config(q):
+    # vLLM 0.32's compressed-tensors loader: "Currently supported kv cache quantization is num_bits=8, type=float"
+    # (FP8 E4M3); it has no INT8 KV cache. Refused where it is written, not at export after calibration.
+    with pytest.raises(ConfigError, match=r"value=.*is not allowed as a KV-cache quantizer.*Float8Quantizer\(E4M3\).*INT8"):
+        QuantRule(value=q)

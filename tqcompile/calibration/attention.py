@@ -135,13 +135,14 @@ class _HFAttentionKV(AttentionQuantizers):
     """Hugging Face attention: the model's own forward, with the cache argument tapped."""
 
     tq_cache_arg: int  # the positional index of past_key_values (`kv_layout`)
+    tq_cache_tap: type = _CacheTap  # what the cache is tapped with (`tq.compress`'s stores FP8 codes)
 
     def forward(self, *args, **kwargs):
-        i = self.tq_cache_arg
+        i, tap = self.tq_cache_arg, self.tq_cache_tap
         if len(args) > i:
-            args = (*args[:i], _CacheTap(self, args[i]), *args[i + 1 :])
+            args = (*args[:i], tap(self, args[i]), *args[i + 1 :])
         else:
-            kwargs["past_key_values"] = _CacheTap(self, kwargs.get("past_key_values"))
+            kwargs["past_key_values"] = tap(self, kwargs.get("past_key_values"))
         return super().forward(*args, **kwargs)
 
 

@@ -37,7 +37,8 @@ from typing import Any
 
 from torch import nn
 
-from tqcompile.quantizers import Float8Quantizer, Granularity, IntQuantizer, Quantizer
+from tqcompile.formats import Format
+from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
 from tqcompile.quantizers.base import quantizer_families
 
 __all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "KV_SLOTS", "register_module_type", "module_type_name"]
@@ -90,11 +91,16 @@ def _family(cls: type) -> tuple[type, ...]:
 
 
 def kv_quantizer_problem(q: Quantizer) -> str | None:
-    """Why `q` cannot quantize a KV cache, or None: a static amax per layer (TENSORWISE) or per KV
-    head (ROWWISE along the last dim), of a Float8Quantizer or IntQuantizer."""
+    """Why `q` cannot quantize a KV cache, or None: FP8 E4M3 with a static amax per layer
+    (TENSORWISE) or per KV head (ROWWISE along the last dim), the caches engines load. vLLM 0.32's
+    compressed-tensors loader takes num_bits 8, type float only; its ModelOpt loader FP8 only."""
     gran, axis, _ = q.layout()
-    if not isinstance(q, Float8Quantizer | IntQuantizer) or gran not in (Granularity.TENSORWISE, Granularity.ROWWISE):
-        return "allowed: Float8Quantizer or IntQuantizer, TENSORWISE (one scale per layer) or ROWWISE (one per KV head)"
+    ok = isinstance(q, Float8Quantizer) and q.format is Format.E4M3
+    if not ok or gran not in (Granularity.TENSORWISE, Granularity.ROWWISE):
+        return (
+            "allowed: Float8Quantizer(E4M3), TENSORWISE (one scale per layer) or ROWWISE (one per KV head), "
+            "as tq.configs.fp8_kv_cache() makes; no engine loads an INT8 or E5M2 KV cache from a checkpoint"
+        )
     if gran is Granularity.ROWWISE and axis != -1:
         return "a per-head (ROWWISE) KV quantizer takes axis=-1: each KV head is one row of the cache"
     return None

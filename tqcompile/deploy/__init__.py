@@ -8,4 +8,16 @@ from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
 from tqcompile.deploy.kernels import KERNELS, linear_kernel  # KERNELS, FALLBACKS: importable, not advertised
 from tqcompile.deploy.modules import FALLBACKS, DeployedLayer, compress, deployed_layers
 
-__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "Int4PackedCPUTensor"]
+__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "Int4PackedCPUTensor", "quantized_kv_cache", "kv_cache_bytes"]
+
+# The FP8 KV cache subclasses Hugging Face's cache classes: imported on first use, so that
+# tqcompile imports without transformers.
+_KV_CACHE = ("quantized_kv_cache", "kv_cache_bytes", "FP8DynamicLayer", "FP8StaticLayer")
+
+
+def __getattr__(name: str):
+    if name in _KV_CACHE:
+        from tqcompile.deploy import kv_cache
+
+        return getattr(kv_cache, name)
+    raise AttributeError(f"module 'tqcompile.deploy' has no attribute {name!r}")

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tqcompile.calibration.attention import _HFAttentionKV
 from tqcompile.calibration.modules import (
     ExpertGemmQuantizers,
     base_class,
@@ -32,6 +33,7 @@ from tqcompile.calibration.modules import (
 )
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
 from tqcompile.deploy.kernels import int4_kernel_block, linear_kernel, packed_linear
+from tqcompile.deploy.packed import PackedModule
 from tqcompile.nn.experts import ExpertsRouting
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.surgery.classes import generated_class
@@ -44,15 +46,6 @@ __all__ = ["compress", "PackedModule", "DeployedLayer", "deployed_layers", "FALL
 # (the memory saving, at the dequantization's cost), or keep the dequantized weight (the float
 # model's memory and speed, no per-call work). Both compute what the calibrated model computes.
 FALLBACKS = ("packed", "dequantized")
-
-
-class PackedModule:
-    """Mixin of the deployed modules `compress` makes: its forward replaces the class's own."""
-
-    tq_mixin_first = True
-    tq_class_prefix = "Packed"
-    tq_kernel: str
-    tq_kernel_reason: str
 
 
 @register_mixin
@@ -119,6 +112,17 @@ def _static_amax(tq, what: str) -> torch.Tensor | None:
     if tq.static_kind is not None and tq.amax is None:
         raise RuntimeError(f"tq.compress: {what} has no calibrated weight amax; calibrate (tq.calibrate) or restore (tq.restore) it first")
     return tq.amax
+
+
+def _kv_packable(module: nn.Module) -> bool:
+    """A fake-quantized Hugging Face attention whose keys and values are quantized, not compressed
+    yet: `tq.compress` gives it an FP8 cache (`tqcompile.deploy.kv_cache`)."""
+    return (
+        isinstance(module, _HFAttentionKV)
+        and not isinstance(module, PackedModule)
+        and module.key_quantizer.enabled
+        and module.value_quantizer.enabled
+    )
 
 
 def _check_dense(name: str, t: torch.Tensor) -> None:
@@ -214,15 +218,24 @@ def compress(model: nn.Module, *, fallback: str = "packed") -> nn.Module:
         raise TypeError(f"tq.compress: model must be a torch.nn.Module, got {type(model).__name__}")
     todo = []
     for name, module in canonical_modules(model):
-        if is_fake_quant_experts(module):
+        if _kv_packable(module):
+            todo.append(("attention", name, module))
+        elif is_fake_quant_experts(module):
             todo.append(("experts", name, module))
         elif slots_of(module) is not None and not isinstance(module, (ExpertGemmQuantizers, PackedModule)):
             found = kind_of(module)
             if found is not None and found[0] == "Linear" and slots_of(module)["weight"].enabled:
                 todo.append(("linear", name, module))
     if not todo:
-        raise ValueError("tq.compress: the model has no calibrated linear layer or experts module to pack; run tq.calibrate (or tq.restore) first")
+        raise ValueError(
+            "tq.compress: the model has no calibrated linear layer, experts module or Hugging Face attention with a quantized "
+            "KV cache to pack; run tq.calibrate (or tq.restore) first"
+        )
     for what, name, module in todo:  # checks before the first change: a failure leaves the model as it was
+        if what == "attention":
+            for slot in ("key", "value"):
+                _static_amax(getattr(module, f"{slot}_quantizer"), f"the {slot} quantizer of {name!r}")
+            continue
         if what == "linear":
             _check_dense(f"{name}.weight", module.weight)
             _static_amax(slots_of(module)["weight"], f"the weight quantizer of {name!r}")
@@ -233,7 +246,11 @@ def compress(model: nn.Module, *, fallback: str = "packed") -> nn.Module:
             if unit.weight_quantizer.enabled:
                 _static_amax(unit.weight_quantizer, f"the weight quantizer of {name}.{g.weight}")
     for what, name, module in todo:
-        if what == "linear":
+        if what == "attention":
+            from tqcompile.deploy.kv_cache import pack_attention  # Hugging Face's cache classes: transformers
+
+            pack_attention(module)
+        elif what == "linear":
             _pack_linear(name, module, fallback)
         else:
             _pack_experts(name, module, fallback)

@@ -110,6 +110,10 @@ class CheckpointFormat(abc.ABC):
         """{local name under the attention: tensor} of one attention's KV scales (fp32, `scale_inv`)."""
         raise ExportError(f"tq.export: format {self.NAME!r} holds no KV-cache scales")
 
+    def check_kv_cache_only(self) -> None:
+        """`ExportError` where the format cannot hold a model that quantizes only its KV cache."""
+        return None  # a format that holds the KV scheme at all holds it alone
+
     def kv_cache_quantizer(self, qc: dict) -> Quantizer | None:
         """The tq KV quantizer the checkpoint's config names, or None (no KV scheme)."""
         return None

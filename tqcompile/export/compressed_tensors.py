@@ -406,7 +406,8 @@ class CompressedTensors(CheckpointFormat):
             config_groups[f"group_{i}"] = scheme.to_dict(targets)
         return {
             "quant_method": "compressed-tensors",
-            "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            # No group (only the KV cache quantized): "dense", compressed-tensors' format of unquantized weights.
+            "format": formats.pop() if len(formats) == 1 else "mixed-precision" if formats else "dense",
             "quantization_status": "compressed",
             "config_groups": config_groups,
             "ignore": sorted(ignore),

@@ -160,6 +160,13 @@ class ModelOpt(CheckpointFormat):
             out[found[0]] = (per_tensor(found[1]), "tensor")
         return out
 
+    def check_kv_cache_only(self) -> None:
+        raise ExportError(
+            "tq.export: the model quantizes only its KV cache; a ModelOpt checkpoint names a quant_algo for its linear "
+            "layers, without one vLLM's ModelOpt loader refuses it ('Missing quant_algo'): use format='compressed-tensors', "
+            "which holds the KV-cache scheme alone"
+        )
+
     def _quantization(self, groups: dict, ignore: list[str]) -> dict:
         algos = sorted({s.algo for s in groups})
         if len(algos) != 1:

@@ -237,13 +237,15 @@ def export(
     limit = parse_size(max_shard_size)
     _check_not_compressed(model)
     units = collect_units(model)
-    if not units:
+    kv = kv_cache_units(model)
+    if not units and kv[0] is None:  # a model quantizing only its KV cache exports its scales alone
         raise ExportError(
             "tq.export: nothing in the model is quantized; calibrate it first (tq.calibrate(model, tq.configs.int8(), "
             "forward_loop)) or convert it for training (tq.convert(model, recipe))"
         )
+    if not units:
+        fmt.check_kv_cache_only()
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
-    kv = kv_cache_units(model)
     if kv[0] is not None:
         fmt.kv_cache_config({"quantization": {}}, {}, kv[0])  # refuses a KV scheme the format cannot hold, before writing
     fmt.check_targets(extra_targets(model, units))
