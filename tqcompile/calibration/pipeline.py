@@ -527,7 +527,8 @@ def _weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch
 
 
 def _mse_weight(w: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
-    """Per-unit amax ``r * amax`` with r in [0.5, 1] minimising that unit's squared error."""
+    """Per-unit amax ``r * amax`` with r in [0.5, 1] minimising that unit's squared error (an
+    asymmetric unit's ``(-min, max)`` both scaled by r)."""
     best_amax, best_err = amax, None
     for i in range(_WEIGHT_MSE_RATIOS + 1):
         cand = amax * (0.5 + 0.5 * i / _WEIGHT_MSE_RATIOS) if i < _WEIGHT_MSE_RATIOS else amax
@@ -537,5 +538,6 @@ def _mse_weight(w: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tens
             best_amax, best_err = cand, err
         else:
             better = err < best_err
-            best_amax, best_err = torch.where(better, cand, best_amax), torch.where(better, err, best_err)
+            pick = better.unsqueeze(-1) if q.has_zero_point() else better  # an asymmetric unit's (-min, max) move together
+            best_amax, best_err = torch.where(pick, cand, best_amax), torch.where(better, err, best_err)
     return best_amax

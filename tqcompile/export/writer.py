@@ -14,6 +14,7 @@ from torch import nn
 
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat
 from tqcompile.export.checks import ExportWarning, check_experts, check_fused, check_scales, extra_targets, shared_global_amax
+from tqcompile.export.families import pack_int32_words
 from tqcompile.export.files import Destination
 from tqcompile.export.kv_cache import kv_cache_units, kv_scale
 from tqcompile.export.names import Placement, is_hf_model, placements
@@ -153,6 +154,9 @@ def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -
         return t  # rebuilt for each placement by the caller
     if experts and p.expert is not None:
         t = t[p.expert]
+    if isinstance(kind, tuple) and kind[0] == "packed_rows":
+        rows = t if p.rows is None else t[p.rows]
+        return pack_int32_words(rows.transpose(-1, -2), kind[1]).transpose(-1, -2).contiguous()
     if p.rows is None or kind == "tensor":
         return t
     if kind == "rows":
