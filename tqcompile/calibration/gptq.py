@@ -203,18 +203,18 @@ def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor | None:
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     mean_diag = h.diagonal().mean().clamp(min=1e-12)
     for damp in (dampening, dampening * 10, dampening * 100):
-        lower, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
+        # With J the reversal, J H J = L L^T gives H^-1 = U^T U for the upper U = J L^-1 J: one
+        # Cholesky and one triangular inverse, where the inverse then its Cholesky took two more
+        # factorisations' work (the same factor: 3e-16 relative apart in float64, measured at 768).
+        lower, info = torch.linalg.cholesky_ex((h + damp * mean_diag * eye).flip(0, 1))
         if int(info) == 0:
-            inv = torch.cholesky_inverse(lower)
-            upper, info = torch.linalg.cholesky_ex(inv, upper=True)
-            if int(info) == 0:
-                return upper
+            return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
     return None
 
 
 def _output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
     d = (w - q).double()
-    return float(torch.einsum("oi,ij,oj->", d, h, d))
+    return float(((d @ h.to(d.dtype)) * d).sum())
 
 
 @dataclasses.dataclass(frozen=True)
