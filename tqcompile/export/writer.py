@@ -120,6 +120,15 @@ def _from_rank0(outcome: ExportReport | BaseException | None) -> ExportReport:
     return box[0]
 
 
+def _checkpoint_reader(checkpoint, model: nn.Module):
+    """The reader of a DCP checkpoint directory (its ``.metadata``), or of a safetensors one."""
+    if os.path.isfile(os.path.join(str(checkpoint), ".metadata")):
+        return _dcp_reader(checkpoint)
+    from tqcompile.export.streaming import safetensors_reader
+
+    return safetensors_reader(str(checkpoint), unwrap(model))
+
+
 def _dcp_reader(checkpoint):
     """Read one model tensor at a time from a DCP checkpoint written by
     `tq.distributed.checkpoint.save` (any number of ranks), in this one process."""
@@ -204,8 +213,9 @@ def export(
         max_shard_size: bytes, or a string such as "5GB".
         overwrite: replace the files of an existing checkpoint in `path`.
         checkpoint: a DCP checkpoint directory (`tq.distributed.checkpoint.save`, from any number of
-            ranks) to read the tensors from, one at a time, instead of from `model`, which then
-            only gives the structure: build it on the meta device and convert it as it was trained
+            ranks), or a safetensors one (`save_pretrained`; `tq.quantize_checkpoint` uses it), to
+            read the tensors from, one at a time, instead of from `model`, which then only gives
+            the structure: build it on the meta device and convert it as it was trained
             (``with torch.device("meta"): model = ...; tq.convert(model, recipe)``). One process,
             no process group, memory for one layer.
         collective: under an initialized process group of more than one rank, None (the
@@ -309,7 +319,7 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
     Returns the report on the writing rank, None on the others."""
     writer = None
     try:
-        read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
+        read = (lambda key, value: full_tensor(value)) if checkpoint is None else _checkpoint_reader(checkpoint, model)
         state = _drop_tied(model, _canonical_state(model), units)
         lost = [u.weight_key for u in units if u.weight_key not in state]
         if lost:  # never write a quantized layer as float
