@@ -40,7 +40,7 @@ from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format
 from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.kv_cache import KV_TENSORS
-from tqcompile.export.names import Placement, placements
+from tqcompile.export.names import Placement, placements, put_placed
 from tqcompile.export.safetensors_io import dtype_name
 from tqcompile.export.scales import bad_values, scaled_amax
 from tqcompile.export.units import ExportError
@@ -121,26 +121,6 @@ def _unit_by_weight_key(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
 
 def _prefix(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
-
-
-def put_placed(dst: torch.Tensor, src: torch.Tensor, p: Placement, experts: bool, block: int, mismatch: list[str], what: str) -> None:
-    """Write `src` where placement `p` took it from (the inverse of the export's `_split`):
-    expert `p.expert`, rows `p.rows` (`block` > 1: one entry per `block` rows)."""
-    d = dst[p.expert] if experts and p.expert is not None else dst
-    rows = p.rows if p.rows is not None and d.dim() > 0 else None
-    if rows is not None and block > 1:
-        first, n = int(rows[0]), rows.numel()
-        if first % block or n % block:
-            mismatch.append(f"{what}: rows {first}..{first + n} do not align with {block}-row scale blocks")
-            return
-        rows = torch.arange(first // block, (first + n) // block)
-    shape = tuple(d.shape) if rows is None else (rows.numel(), *d.shape[1:])
-    if shape != tuple(src.shape):
-        mismatch.append(f"{what}: checkpoint {tuple(src.shape)}, model {shape}")
-    elif rows is None:
-        d.copy_(src)
-    else:
-        d[rows] = src.to(d.dtype)
 
 
 class _Unit:

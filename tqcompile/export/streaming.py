@@ -24,12 +24,12 @@ from tqcompile.calibration.config import QuantConfig
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
 from tqcompile.calibration.pipeline import check_data_free, prepare, weight_amax
-from tqcompile.export.files import CheckpointFiles
-from tqcompile.export.names import Placement
+from tqcompile.export.readers import safetensors_reader
 from tqcompile.export.units import ExportError
+from tqcompile.export.writer import export
 from tqcompile.surgery.names import canonical_modules
 
-__all__ = ["quantize_checkpoint", "safetensors_reader"]
+__all__ = ["quantize_checkpoint"]
 
 
 def _meta_model(path: str) -> nn.Module:
@@ -42,39 +42,6 @@ def _meta_model(path: str) -> nn.Module:
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config).eval()
-
-
-def safetensors_reader(path: str, model: nn.Module):
-    """``read(key, value)`` of one of `model`'s tensors (by its canonical state-dict name) from the
-    safetensors checkpoint in `path`, read when asked. Where the checkpoint holds it as several
-    tensors (transformers saves fused experts per expert: ``experts.3.gate_proj.weight``), they are
-    put together as `tq.export` splits them (`tqcompile.export.names.placements`)."""
-    from tqcompile.export.load import put_placed
-    from tqcompile.export.names import placements
-
-    files = CheckpointFiles(path)
-    shapes = {f"{n}.{k}" if n else k: p.shape for n, m in canonical_modules(model) for k, p in m._parameters.items() if p is not None}
-    where = placements(model, shapes)
-
-    def read(key: str, value: torch.Tensor) -> torch.Tensor:
-        parts = where.get(key, [Placement(key)])
-        lost = [p.name for p in parts if p.name not in files.entries]
-        if lost:
-            raise ExportError(f"tq.export: the checkpoint {path!r} holds no tensor {lost[0]!r} (of the model's {key!r}); was it saved from this model?")
-        if len(parts) == 1 and parts[0].name == key:
-            t = files.get(key)
-            if tuple(t.shape) != tuple(value.shape):
-                raise ExportError(f"tq.export: {path!r}'s {key!r} is {list(t.shape)}; the model's is {list(value.shape)}")
-            return t
-        first = files.get(parts[0].name)
-        out, mismatch = torch.empty(value.shape, dtype=first.dtype), []
-        for p in parts:
-            put_placed(out, first if p is parts[0] else files.get(p.name), p, value.dim() == 3, 1, mismatch, p.name)
-        if mismatch:
-            raise ExportError(f"tq.export: {path!r}: {mismatch[0]}")
-        return out
-
-    return read
 
 
 @contextlib.contextmanager
@@ -117,8 +84,6 @@ def quantize_checkpoint(
         `tq.export`'s report. The result equals ``tq.calibrate(model, config, None)`` then
         ``tq.export`` on the loaded model, byte for byte (tests/test_quantize_checkpoint.py).
     """
-    from tqcompile.export.writer import export
-
     if not isinstance(config, QuantConfig):
         raise TypeError(f"tq.quantize_checkpoint: config must be a tq QuantConfig, got {type(config).__name__}")
     model = _meta_model(path) if model is None else model

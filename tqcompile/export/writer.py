@@ -18,6 +18,7 @@ from tqcompile.export.families import pack_int32_words
 from tqcompile.export.files import Destination
 from tqcompile.export.kv_cache import kv_cache_units, kv_scale
 from tqcompile.export.names import Placement, is_hf_model, placements
+from tqcompile.export.readers import safetensors_reader
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit
 from tqcompile.nn.histories import HISTORY_PREFIX
@@ -124,8 +125,6 @@ def _checkpoint_reader(checkpoint, model: nn.Module):
     """The reader of a DCP checkpoint directory (its ``.metadata``), or of a safetensors one."""
     if os.path.isfile(os.path.join(str(checkpoint), ".metadata")):
         return _dcp_reader(checkpoint)
-    from tqcompile.export.streaming import safetensors_reader
-
     return safetensors_reader(str(checkpoint), unwrap(model))
 
 
