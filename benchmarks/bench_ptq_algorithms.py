@@ -56,20 +56,16 @@ sys.path.insert(0, str(HERE))  # the sibling benchmark scripts, imported for the
 
 from bench_export_memory import in_fresh_process  # noqa: E402
 from ptq_eval import paired_difference, peak_rss_mib, scores, windows  # noqa: E402
-from serve_with_vllm import _config, text_bytes  # noqa: E402
+from serve_with_vllm import text_bytes  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
 from tqcompile.calibration.algorithms import AWQ, GPTQ  # noqa: E402
-from tqcompile.formats import Format  # noqa: E402
-from tqcompile.quantizers import Granularity, IntQuantizer  # noqa: E402
 
 FOOTNOTE = (
-    "Integer conventions differ: llmcompressor's symmetric integers use the extra negative code (INT4 in "
-    "[-8, 7] with scale amax/7.5, INT8 in [-128, 127] with amax/127.5), tq's are symmetric (INT4 in [-7, 7] "
-    "with amax/7, INT8 in [-127, 127] with amax/127). So llmcompressor's grid is slightly finer for the same "
-    "amax (7.5 vs 7 steps: the INT4 rows favour it), and 'llmc ckpt in tq' (tq.load_exported, which computes "
-    "the codes -8/-128 as -7/-127) is not llmcompressor's own number: the llmc column is, computed by "
-    "compressed-tensors in llmcompressor's environment. Defaults as shipped: llmcompressor's GPTQ uses static "
+    "Integer grids: tq's presets quantize weights on the FULL grid (INT4 in [-8, 7] with scale amax/7.5, INT8 "
+    "in [-128, 127] with amax/127.5), llmcompressor's symmetric observer's grid; the 'SYMMETRIC grid' table is "
+    "tq's grid before (INT4 in [-7, 7], amax/7). 'llmc ckpt in tq' is llmcompressor's checkpoint read by "
+    "tq.load_exported and scored in tq (its codes, -8 included, as they are). Defaults as shipped: llmcompressor's GPTQ uses static "
     "activation order (actorder='static'), as tq's GPTQ() (act_order=True); llmcompressor's AWQ has no weight-"
     "clipping search, tq's AWQ() clips (clip=True; the clip=False row is like for like). Times are each run's calibration wall seconds (tq.calibrate; "
     "llmcompressor's oneshot); peak RSS is the run's process high-water mark right after it (imports and the "
@@ -179,15 +175,31 @@ W8A8_ROWS = (
     ("SmoothQuant 0.5", "smoothquant", "sq"),
     ("SmoothQuant 0.5 + GPTQ", ("smoothquant", "gptq"), "sq_gptq"),
 )
+# Round to nearest and GPTQ on the other integer schemes: INT3, asymmetric INT4 (zero points), and
+# tq's INT4 on the SYMMETRIC grid (-7..7; tq only) to show what the grid alone does.
+GRID_ROWS = (
+    ("RTN (tq `max`; llmc QuantizationModifier)", "max", "rtn"),
+    ("GPTQ", "gptq", "gptq"),
+)
 QUICK = {("int4", 128, "max"), ("int4", 128, "gptq"), ("w8a8", 0, "max"), ("w8a8", 0, ("smoothquant", "gptq"))}
+# scheme -> (weight bits, asymmetric) of the llmcompressor side; None: no llmcompressor column.
+LLMC_SCHEMES = {"int4": (4, False), "int3": (3, False), "int4_asym": (4, True), "int4_symmetric": None, "w8a8": (8, False)}
 
 
 def tq_config(scheme: str, group: int):
-    """INT4 weight-only groups of `group`; or W8A8 INT8 with per-channel weights and dynamic per-token
-    activations (llmcompressor's W8A8; tq.configs.int8() quantizes activations per tensor, statically)."""
+    """Integer weight-only groups of `group` (INT4 and INT3 on the presets' FULL grid, INT4 on the
+    SYMMETRIC grid or asymmetric); or W8A8 INT8 with per-channel weights and dynamic per-token
+    activations (llmcompressor's W8A8, `tq.configs.int8_dynamic()`; tq.configs.int8() quantizes
+    activations per tensor, statically)."""
     if scheme == "int4":
         return tq.configs.int4_weight_only(group)
-    return _config(IntQuantizer(Format.INT8, Granularity.ROWWISE), IntQuantizer(Format.INT8, Granularity.ROWWISE))
+    if scheme == "int3":
+        return tq.configs.int_weight_only(3, group)
+    if scheme == "int4_asym":
+        return tq.configs.int4_weight_only(group, grid=tq.IntGrid.ASYMMETRIC)
+    if scheme == "int4_symmetric":
+        return tq.configs.int4_weight_only(group, grid=tq.IntGrid.SYMMETRIC)
+    return tq.configs.int8_dynamic()
 
 
 def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, threads: int, queue) -> None:
@@ -227,16 +239,19 @@ def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, 
         queue.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
 
 
-def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, group: int, workdir: Path, threads: int, reference) -> dict:
+def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, group: int, workdir: Path, threads: int, reference,
+              scheme: str = "int4") -> dict:
     """llmcompressor's row in its own environment (llmc_ptq_worker.py); then its checkpoint read by tq."""
-    out = workdir / f"llmc_{recipe}_g{group}"
+    bits, asym = LLMC_SCHEMES[scheme]
+    out = workdir / f"llmc_{recipe}_g{group}_{scheme}"
     result_path = out.with_suffix(".json")
     log_path = out.with_suffix(".log")
     result_path.unlink(missing_ok=True)
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # llmcompressor's environment must not pick up this one's packages
     cmd = [llmc_python, str(HERE / "llmc_ptq_worker.py"), "--model", str(model_dir), "--data", str(data_path),
-           "--recipe", recipe, "--group", str(group), "--out", str(out), "--result", str(result_path), "--threads", str(threads)]
+           "--recipe", recipe, "--group", str(group), "--out", str(out), "--result", str(result_path), "--threads", str(threads),
+           "--bits", str(bits), *(["--asym"] if asym else [])]
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     if not result_path.exists():
@@ -245,7 +260,7 @@ def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, g
     result = json.loads(result_path.read_text())
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # load_exported warns about llmcompressor's -8/-128 codes: the footnote says it
+            warnings.simplefilter("ignore")  # load_exported warns about scales with no exact tq amax: the footnote says it
             result["in_tq"] = scores(tq.load_exported(str(out)), torch.load(data_path)["eval"], reference)
     except Exception as e:  # noqa: BLE001
         result["in_tq_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -341,6 +356,9 @@ def main() -> None:
     tables = [
         ("INT4 weight-only, groups of 128", "int4", 128, INT4_ROWS),
         ("INT4 weight-only, groups of 32", "int4", 32, INT4_ROWS),
+        ("INT3 weight-only, groups of 128", "int3", 128, GRID_ROWS),
+        ("INT4 weight-only asymmetric (zero points), groups of 128", "int4_asym", 128, GRID_ROWS),
+        ("INT4 weight-only on tq's SYMMETRIC grid (-7..7), groups of 128 (tq only)", "int4_symmetric", 128, GRID_ROWS),
         ("W8A8 INT8 (per-channel weights, dynamic per-token activations)", "w8a8", 0, W8A8_ROWS),
     ]
     results = []
@@ -353,8 +371,8 @@ def main() -> None:
             tq_r = in_fresh_process(_tq_run, str(model_dir), str(data_path), scheme, group, algorithm, args.threads)
             print(f"   tq   {tq_r}", flush=True)
             llmc_r = None
-            if args.llmc_python and recipe is not None:
-                llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, recipe, group, workdir, args.threads, reference)
+            if args.llmc_python and recipe is not None and LLMC_SCHEMES[scheme] is not None:
+                llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, recipe, group, workdir, args.threads, reference, scheme)
                 print(f"   llmc {llmc_r}", flush=True)
             rows.append({"label": label, "algorithm": algorithm, "llmc_recipe": recipe, "tq": tq_r, "llmc": llmc_r})
         if rows:

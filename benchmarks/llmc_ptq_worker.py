@@ -34,27 +34,29 @@ from ptq_eval import peak_rss_mib, scores  # noqa: E402
 RECIPES = ("rtn", "gptq", "awq", "w8a8", "sq", "sq_gptq")
 
 
-def _w4a16(group: int):
-    """compressed-tensors' W4A16 preset (symmetric INT4, static groups, minmax observer) with `group`."""
+def _w4a16(group: int, bits: int = 4, asym: bool = False):
+    """compressed-tensors' W4A16 preset (symmetric INT4, static groups, minmax observer) with `group`;
+    `bits` and `asym` change its width and make it asymmetric (its W4A16_ASYM: zero points)."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    scheme = preset_name_to_scheme("W4A16", ["Linear"])
-    scheme.weights = scheme.weights.model_copy(update={"group_size": group})
+    scheme = preset_name_to_scheme("W4A16_ASYM" if asym else "W4A16", ["Linear"])
+    scheme.weights = scheme.weights.model_copy(update={"group_size": group, "num_bits": bits})
     return {"group_0": scheme}
 
 
-def recipe(name: str, group: int) -> list:
+def recipe(name: str, group: int, bits: int = 4, asym: bool = False) -> list:
     """The modifiers of one table row: llmcompressor's defaults, the scheme set as tq's config sets it."""
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
     ignore = ["lm_head"]
+    groups = _w4a16(group, bits, asym)
     if name == "rtn":
-        return [QuantizationModifier(config_groups=_w4a16(group), ignore=ignore)]
+        return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     if name == "gptq":
-        return [GPTQModifier(config_groups=_w4a16(group), ignore=ignore)]
+        return [GPTQModifier(config_groups=groups, ignore=ignore)]
     if name == "awq":
-        return [AWQModifier(), QuantizationModifier(config_groups=_w4a16(group), ignore=ignore)]
+        return [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=ignore)]
     if name == "w8a8":
         return [QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ignore)]
     if name == "sq":
@@ -82,6 +84,9 @@ def check_quantized(model: torch.nn.Module) -> dict:
         if args.group_size:
             scale = scale.repeat_interleave(args.group_size, dim=1)
         codes = m.weight.detach().float() / scale
+        if not args.symmetric:  # (q - zero_point) * scale: the codes are the zero point's offset
+            zp = m.weight_zero_point.detach().float()
+            codes = codes + (zp.repeat_interleave(args.group_size, dim=1) if args.group_size else zp)
         lo, hi = -(2 ** (args.num_bits - 1)), 2 ** (args.num_bits - 1) - 1
         off_grid += int(((codes - codes.round()).abs().gt(1e-3) | codes.round().lt(lo) | codes.round().gt(hi)).sum())
         x = torch.randn(4, m.in_features, generator=gen)
@@ -106,6 +111,8 @@ def main() -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--recipe", required=True, choices=RECIPES)
     p.add_argument("--group", type=int, default=128)
+    p.add_argument("--bits", type=int, default=4, help="weight-only recipes: the integer width")
+    p.add_argument("--asym", action="store_true", help="weight-only recipes: asymmetric (zero points)")
     p.add_argument("--out", required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -135,7 +142,7 @@ def main() -> None:
     oneshot(
         model=model,
         dataset=ds,
-        recipe=recipe(a.recipe, a.group),
+        recipe=recipe(a.recipe, a.group, a.bits, a.asym),
         num_calibration_samples=calib.shape[0],
         max_seq_length=calib.shape[1],
         shuffle_calibration_samples=False,

@@ -238,6 +238,7 @@ FORMATS = (
     ),
     ("CT W4A16 group 128", lambda: tq.configs.int4_weight_only(128), "compressed-tensors", True),
     ("CT W4A16 group 32", lambda: tq.configs.int4_weight_only(32), "compressed-tensors", True),
+    ("CT W4A16 group 128 asymmetric", lambda: tq.configs.int4_weight_only(128, grid=tq.IntGrid.ASYMMETRIC), "compressed-tensors", True),
     (
         "CT FP8 per-channel, dyn per-token",
         lambda: _config(Float8Quantizer(Format.E4M3, Granularity.ROWWISE), Float8Quantizer(Format.E4M3, Granularity.ROWWISE)),
@@ -273,6 +274,8 @@ FORMATS = (
         True,
     ),
     ("CT FP8 per-tensor (static)", tq.configs.fp8, "compressed-tensors", False),
+    # vLLM 0.32 takes zero points on W8A8 activations only: "No compressed-tensors compatible scheme" for INT8 weights with them.
+    ("CT INT8 W8A8 dynamic asymmetric weights", lambda: tq.configs.int8_dynamic(grid=tq.IntGrid.ASYMMETRIC), "compressed-tensors", False),
     ("CT NVFP4", tq.configs.nvfp4, "compressed-tensors", False),
     ("CT MXFP8", tq.configs.mxfp8, "compressed-tensors", False),
 )

@@ -15,6 +15,8 @@ from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "choosing.md"
 PTQ_PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4")  # every QuantConfig constructor in tq.configs
+# Not rows of their own: the general form of int4/int8_weight_only, and a rule (not a config) to add to any preset.
+NOT_PRESETS = ("int_weight_only", "fp8_kv_cache", "default_disabled")
 
 
 def describe(q: Quantizer | None | bool) -> str:
@@ -29,6 +31,7 @@ def describe(q: Quantizer | None | bool) -> str:
         Granularity.BLOCKWISE_2D: f"{block}×{block} blocks",
     }[granularity]
     fmt = q.element_format().name
+    grid = getattr(q, "grid", tq.IntGrid.SYMMETRIC)
     name = {MXQuantizer: f"MX {fmt}", NVFP4Quantizer: "NVFP4"}.get(type(q), fmt)
     options = []
     if isinstance(q, Float8Quantizer) and q.power_of_two_scale:
@@ -37,6 +40,8 @@ def describe(q: Quantizer | None | bool) -> str:
         options.append(f"E8M0 scales, {q.scale_rounding.name}")
     if isinstance(q, NVFP4Quantizer):
         options += ["stochastic rounding"] * q.stochastic_rounding + ["Hadamard"] * q.hadamard
+    if grid is not tq.IntGrid.SYMMETRIC:
+        options.append(f"{grid.name} grid")
     return ", ".join([f"{name} {grain}", *options])
 
 
@@ -92,12 +97,12 @@ def test_every_recipe_and_preset_has_advice():
 
 def test_the_preset_list_is_every_preset():
     # A new preset in tq.configs must get a row: every public constructor returning a QuantConfig.
-    public = [n for n in tq.configs.__all__ if callable(getattr(tq.configs, n)) and n != "default_disabled"]
+    public = [n for n in tq.configs.__all__ if callable(getattr(tq.configs, n)) and n not in NOT_PRESETS]
     assert sorted(public) == sorted(PTQ_PRESETS), public
 
 
 def test_describe():
     assert describe(tq.recipes.fp8_blockwise().fprop_weight) == "E4M3 128×128 blocks, 2^k scales"
     assert describe(tq.recipes.nvfp4().wgrad_grad) == "NVFP4 1×16 blocks, stochastic rounding, Hadamard"
-    assert describe(tq.configs.int8().rules[0].weight) == "INT8 per row"
+    assert describe(tq.configs.int8().rules[0].weight) == "INT8 per row, FULL grid"
     assert describe(None) == describe(False) == "high precision"

@@ -177,3 +177,29 @@ def test_bad_input():
         GPTQ(block_size=0)
     with pytest.raises(ValueError, match="dampening=1 is not allowed"):
         GPTQ(dampening=1)
+
+
+@pytest.mark.parametrize(
+    "grid, granularity",
+    [(grid, gran) for grid in tq.IntGrid for gran in ("rows", "g32", "tensor") if not (grid is tq.IntGrid.ASYMMETRIC and gran == "tensor")],
+)
+def test_int_column_rounding_is_the_reference_kernels(grid, granularity):
+    """GPTQ rounds Int columns with scales held per unit (`IntQuantizer.reference_round`): bit for
+    bit what the reference quantize and dequantize kernels give, column by column (the path FP8 takes)."""
+    from tqcompile.calibration import gptq as gptq_module
+
+    layout = {"rows": dict(granularity=Granularity.ROWWISE), "g32": dict(granularity=Granularity.BLOCKWISE_1D, block_size=32), "tensor": {}}
+    q = tq.IntQuantizer(tq.Format.INT4, grid=grid, **layout[granularity])
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 128, generator=g) * torch.linspace(0.2, 3, 128)
+    w = torch.randn(32, 128, generator=g) * 0.05
+    h = gptq_module.hessian(x)
+    for act_order in (True, False):
+        fast = gptq_module.gptq_quantize(w, h, q, tq.GPTQ(act_order=act_order))
+        original = gptq_module._column_rounder
+        gptq_module._column_rounder = gptq_module._RoundRows
+        try:
+            slow = gptq_module.gptq_quantize(w, h, q, tq.GPTQ(act_order=act_order))
+        finally:
+            gptq_module._column_rounder = original
+        assert torch.equal(fast[0].view(torch.int32), slow[0].view(torch.int32)) and torch.equal(fast[1], slow[1]) and fast[2] == slow[2]

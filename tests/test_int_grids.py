@@ -115,3 +115,20 @@ def test_int3_checkpoint_from_compressed_tensors_loads_with_its_bottom_codes(tmp
         assert torch.allclose(m.weight, _decompress(path, exact, n), rtol=2**-22, atol=0), n
         with torch.no_grad():
             assert torch.equal(m.weight_quantizer(m.weight), m.weight), n
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_gptq_rounds_narrow_integers(bits):
+    """GPTQ's per-column rounding of INT3 / INT2 (codes narrower than their packing group) lands on
+    the grid its stored amax gives, below round to nearest's output error on its data."""
+    from tqcompile.calibration.fake_quant import fake_quantize, round_to_nearest
+    from tqcompile.calibration.gptq import gptq_quantize, hessian
+
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(512, 128, generator=g) * torch.linspace(0.2, 3, 128)
+    w = torch.randn(32, 128, generator=g) * 0.05
+    q = tq.IntQuantizer(FORMATS[bits], Granularity.BLOCKWISE_1D, block_size=32, grid=tq.IntGrid.FULL)
+    rounded, amax, how = gptq_quantize(w, hessian(x), q)
+    assert how == "gptq" and torch.equal(fake_quantize(rounded, q, amax), rounded)
+    err = lambda v: float(((x @ (v - w).t()) ** 2).sum())  # noqa: E731
+    assert err(rounded) < err(round_to_nearest(w, q))

@@ -18,6 +18,7 @@ from tqcompile.conversion import convert
 from tqcompile.deploy import Int4PackedCPUTensor as _Int4PackedCPUTensor
 from tqcompile.deploy import compress
 from tqcompile.export import load_exported
+from tqcompile.export.streaming import quantize_checkpoint
 from tqcompile.formats import Format
 from tqcompile.quantizers import (
     Float8Quantizer,
@@ -68,6 +69,7 @@ __all__ = [
     "distributed",
     "export",
     "load_exported",
+    "quantize_checkpoint",
     "lift_quantizers",
 ]
 

@@ -94,9 +94,11 @@ def _int(fmt: Format, grid: IntGrid, granularity: Granularity = Granularity.TENS
 def int8(*, grid: IntGrid = _GRID, ste: str = "clipped") -> QuantConfig:
     """W8A8 with static activations: INT8 weights per output channel, INT8 activations per tensor
     with one calibrated (static) scale. Both on `grid` (default FULL: codes -128..127, scale
-    amax / 127.5, as llmcompressor's static W8A8). Not llmcompressor's default W8A8, which has
-    dynamic per-token activations: that is `int8_dynamic()`."""
-    return _preset(_int(Format.INT8, grid), _int(Format.INT8, grid, Granularity.ROWWISE), ste)
+    amax / 127.5, as llmcompressor's static W8A8; with ASYMMETRIC weights the activations stay
+    FULL). Not llmcompressor's default W8A8, which has dynamic per-token activations: that is
+    `int8_dynamic()`."""
+    inputs = IntGrid.FULL if grid is IntGrid.ASYMMETRIC else grid
+    return _preset(_int(Format.INT8, inputs), _int(Format.INT8, grid, Granularity.ROWWISE), ste)
 
 
 def int8_weight_only(*, grid: IntGrid = _GRID, ste: str = "clipped") -> QuantConfig:
@@ -116,7 +118,8 @@ def int_weight_only(bits: int = 4, block_size: int | None = 128, *, grid: IntGri
     """W{bits}A16: INT8, INT4, INT3 or INT2 weights in blocks of `block_size` along the input dim, or
     one scale per output channel (`block_size=None`, compressed-tensors' "channel" strategy), on
     `grid` (default FULL: codes -2**(bits-1)..2**(bits-1)-1, scale amax / ((2**bits - 1) / 2), as
-    llmcompressor's W4A16 / W3A16); activations stay high precision. Layers whose input dim is not a
+    llmcompressor's W4A16 / W3A16; ASYMMETRIC: a zero point a unit, as its asymmetric W4A16);
+    activations stay high precision. Layers whose input dim is not a
     multiple of `block_size` are left in high precision (reported). INT3 and INT2 are for GPTQ
     (round to nearest at 3 bits costs several times GPTQ's perplexity: docs/ptq.md)."""
     formats = {8: Format.INT8, 4: Format.INT4, 3: Format.INT3, 2: Format.INT2}

@@ -87,6 +87,11 @@ class Recipe(OpaqueBase):
             if not (isinstance(q, Quantizer) or (q is None and field.startswith("wgrad"))):
                 allowed = "a tq.Quantizer" + (" or None (high-precision wgrad)" if field.startswith("wgrad") else "")
                 raise ValueError(f"Recipe {self.name!r}: {field}={q!r} is not allowed; allowed: {allowed}")
+            if q is not None and q.has_zero_point():
+                raise ValueError(
+                    f"Recipe {self.name!r}: {field}={q!r} is not allowed; zero points (IntGrid.ASYMMETRIC) are for PTQ "
+                    "weights (tq.calibrate): the training GEMMs take scales only"
+                )
         if (self.wgrad_grad is None) != (self.wgrad_input is None):
             raise ValueError(f"Recipe {self.name!r}: wgrad_grad and wgrad_input must both be quantizers or both None")
         for a, b in _GEMM_PAIRS:

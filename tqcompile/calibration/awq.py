@@ -210,7 +210,8 @@ def _unit_errors(d: torch.Tensor, h_blocks: torch.Tensor, shape: torch.Size) -> 
 
 
 def awq_clip(weight: torch.Tensor, quantizer: Quantizer | None, h: torch.Tensor, config: AWQ | None = None) -> torch.Tensor:
-    """AWQ's clipping search: `weight` (out, in) clamped per scale unit to ``ratio * amax``.
+    """AWQ's clipping search: `weight` (out, in) clamped per scale unit to ``ratio * amax`` (an
+    asymmetric unit: to ``[ratio * min, ratio * max]``).
 
     Ratios run from 1 down to ``1 - config.max_shrink`` in ``config.clip_grid`` steps; each unit
     keeps the one with the least ``d_u H_uu d_u^T`` (ties: the larger). `h` (in, in) is the Hessian
@@ -231,23 +232,27 @@ def awq_clip(weight: torch.Tensor, quantizer: Quantizer | None, h: torch.Tensor,
     with torch.no_grad():
         w = weight.detach().float()
         view = geometry.unit_view(w, quantizer.layout())  # NVFP4's units are its blocks: its tensor amax is kept (below)
-        amax = view.abs().amax(dim=(1, 3), keepdim=True)
+        if quantizer.has_zero_point():  # an asymmetric unit's range: each side shrinks by the ratio
+            below, above = ((-view).clamp(min=0).amax(dim=(1, 3), keepdim=True), view.clamp(min=0).amax(dim=(1, 3), keepdim=True))
+        else:
+            below = above = view.abs().amax(dim=(1, 3), keepdim=True)
         g, cols = view.shape[2], view.shape[3]
         h32 = h.to(w.device, torch.float32)
         h_blocks = h32.reshape(g, cols, g, cols).diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
-        keep = amax == amax.max() if quantizer.has_global_scale() else torch.zeros_like(amax, dtype=torch.bool)
-        best_bound, best_err = amax, None
+        keep = above == above.max() if quantizer.has_global_scale() else torch.zeros_like(above, dtype=torch.bool)
+        best_lo, best_hi, best_err = below, above, None
         for i in range(config.clip_grid + 1):
-            # The bound in the weight's dtype, so the clamped weight is exactly representable in it.
-            bound = torch.where(keep, amax, (amax * (1 - config.max_shrink * i / config.clip_grid)).to(weight.dtype).float())
-            clamped = torch.minimum(torch.maximum(view, -bound), bound).reshape(w.shape)
-            err = _unit_errors(w - round_to_nearest(clamped, quantizer), h_blocks, view.shape).reshape(amax.shape)
+            # The bounds in the weight's dtype, so the clamped weight is exactly representable in it.
+            ratio = 1 - config.max_shrink * i / config.clip_grid
+            lo, hi = (torch.where(keep, b, (b * ratio).to(weight.dtype).float()) for b in (below, above))
+            clamped = torch.minimum(torch.maximum(view, -lo), hi).reshape(w.shape)
+            err = _unit_errors(w - round_to_nearest(clamped, quantizer), h_blocks, view.shape).reshape(above.shape)
             if best_err is None:
                 best_err = err
             else:
                 better = err < best_err
-                best_bound, best_err = torch.where(better, bound, best_bound), torch.where(better, err, best_err)
-        clipped = torch.minimum(torch.maximum(view, -best_bound), best_bound).reshape(w.shape)
+                best_lo, best_hi, best_err = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi), torch.where(better, err, best_err)
+        clipped = torch.minimum(torch.maximum(view, -best_lo), best_hi).reshape(w.shape)
         if _output_error(w - round_to_nearest(clipped, quantizer), h32) > _output_error(w - round_to_nearest(w, quantizer), h32):
             return weight.detach().clone()
         return clipped.to(weight.dtype)

@@ -156,6 +156,12 @@ class QuantRule:
             )
         for f in (*SLOTS, *KV_SLOTS):
             _check_slot(f, getattr(self, f))
+            q = getattr(self, f)
+            if f != "weight" and isinstance(q, Quantizer) and q.has_zero_point():
+                raise ConfigError(
+                    f"QuantRule: {f}={q!r} is not allowed; zero points (IntGrid.ASYMMETRIC) are for weights: quantize "
+                    "activations and caches on IntGrid.FULL or SYMMETRIC"
+                )
         for f in KV_SLOTS:
             q = getattr(self, f)
             problem = kv_quantizer_problem(q) if isinstance(q, Quantizer) else None

@@ -34,7 +34,7 @@ from torch import nn
 
 from tqcompile.api import quantize
 from tqcompile.ops import grouped_gemm as gops
-from tqcompile.quantizers import Granularity, Quantizer, geometry
+from tqcompile.quantizers import Granularity, Quantizer
 
 __all__ = [
     "fake_quantize",
@@ -79,9 +79,9 @@ def round_to_nearest(w: torch.Tensor, q: Quantizer, *, amax: torch.Tensor | None
     return fake_quantize(w, q, amax=static_weight_amax(w, q) if amax is None else amax)
 
 
-def _expand_amax(amax: torch.Tensor, shape: torch.Size, q: Quantizer) -> torch.Tensor:
-    """Broadcast a static amax (tensor-level or one per unit) to the element shape."""
-    return amax if q.uses_tensor_amax() else geometry.expand(amax, shape, q.layout())
+def _in_range(x: torch.Tensor, amax: torch.Tensor, q: Quantizer) -> torch.Tensor:
+    """Where `x` lies within a static amax (tensor-level, or one per unit: `Quantizer.reference_in_range`)."""
+    return x.abs() <= amax if q.uses_tensor_amax() else q.reference_in_range(x, amax)
 
 
 class _FakeQuantize(torch.autograd.Function):
@@ -92,7 +92,7 @@ class _FakeQuantize(torch.autograd.Function):
         ctx.clip = clip
         if clip:
             # NaN/Inf inputs are outside every range: their gradient is zero.
-            ctx.save_for_backward(x.abs() <= _expand_amax(amax, x.shape, quantizer))
+            ctx.save_for_backward(_in_range(x, amax, quantizer))
         return y
 
     @staticmethod

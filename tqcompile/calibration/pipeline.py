@@ -392,13 +392,23 @@ def _activations_enabled(planned: list[Decision]) -> bool:
 
 
 def _check_data_free(planned: list[Decision]) -> None:
-    """forward_loop=None: every enabled quantizer must take its scales from the weights or from
-    the tensor at run time; a static activation amax needs data."""
-    static = [f"{name!r} ({t.role}: {t.quantizer!r})" for name, t in _enabled_activation_quantizers(planned) if t.static_kind is not None]
+    check_data_free([(p.name, p.module) for p in planned])
+
+
+def check_data_free(units: list[tuple[str, nn.Module]], who: str = "tq.calibrate: forward_loop=None (data-free)") -> None:
+    """Quantizing without data: every enabled quantizer of the converted `units` (name, module)
+    must take its scales from the weights or from the tensor at run time; a static activation
+    amax needs data. `who` starts the message."""
+    static = [
+        f"{name!r} ({t.role}: {t.quantizer!r})"
+        for name, m in units
+        for t in m.quantizers().values()
+        if t.role != "weight" and t.quantizer is not None and t.static_kind is not None
+    ]
     if static:
         shown = ", ".join(static[:3]) + (f" and {len(static) - 3} more" if len(static) > 3 else "")
         raise ValueError(
-            f"tq.calibrate: forward_loop=None (data-free) cannot calibrate the static activation amaxes of {shown}; "
+            f"{who} cannot calibrate the static activation amaxes of {shown}; "
             "pass a forward_loop, or use a config whose activations need no calibration (weight-only, "
             "tq.configs.int8_dynamic(), the MX presets)"
         )
@@ -420,7 +430,7 @@ def _finalize(planned: list[Decision], algorithm: str, percentile: float, groups
                 t.quantizer = None
             if t.quantizer is not None and t.static_kind is not None:
                 if slot == "weight":
-                    t.set_amax(fixed[id(m)] if id(m) in fixed else _weight_amax(m, t, algorithm))
+                    t.set_amax(fixed[id(m)] if id(m) in fixed else weight_amax(m, t, algorithm))
                     weight_amaxes.append(t.amax)
                 else:
                     t.set_amax(_activation_amax(p.name, t, algorithm, percentile))
@@ -511,7 +521,8 @@ def _expert_amax(name: str, per_expert: torch.Tensor) -> torch.Tensor:
     return torch.where(unseen, per_expert.max(), per_expert)
 
 
-def _weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch.Tensor:
+def weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch.Tensor:
+    """The static amax `algorithm` ("max" or "mse") gives the weight of the converted `module`."""
     q = t.quantizer
     with torch.no_grad():
         w = weight_view(module, module.weight.detach())
@@ -527,7 +538,8 @@ def _weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch
 
 
 def _mse_weight(w: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
-    """Per-unit amax ``r * amax`` with r in [0.5, 1] minimising that unit's squared error."""
+    """Per-unit amax ``r * amax`` with r in [0.5, 1] minimising that unit's squared error (an
+    asymmetric unit's ``(-min, max)`` both scaled by r)."""
     best_amax, best_err = amax, None
     for i in range(_WEIGHT_MSE_RATIOS + 1):
         cand = amax * (0.5 + 0.5 * i / _WEIGHT_MSE_RATIOS) if i < _WEIGHT_MSE_RATIOS else amax
@@ -537,5 +549,6 @@ def _mse_weight(w: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tens
             best_amax, best_err = cand, err
         else:
             better = err < best_err
-            best_amax, best_err = torch.where(better, cand, best_amax), torch.where(better, err, best_err)
+            pick = better.unsqueeze(-1) if q.has_zero_point() else better  # an asymmetric unit's (-min, max) move together
+            best_amax, best_err = torch.where(pick, cand, best_amax), torch.where(better, err, best_err)
     return best_amax

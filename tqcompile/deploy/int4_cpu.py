@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from tqcompile import ops
-from tqcompile.quantizers import Granularity, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer, geometry
+from tqcompile.quantizers.scaling import saturate
 from tqcompile.tensor import _HANDLERS, QuantizedTensor
 
 __all__ = ["Int4PackedCPUTensor", "pack", "unpack"]
@@ -61,9 +62,12 @@ class Int4PackedCPUTensor(QuantizedTensor):
     def from_quantized(cls, qt: QuantizedTensor, block: int) -> Int4PackedCPUTensor:
         """`qt`'s (N, K) INT4 weight for the kernel's blocks of `block` (its own 1-D blocks, or,
         for one scale per row, the row's scale repeated over its K / block kernel blocks)."""
-        s = qt._scale_inv.repeat_interleave(qt.shape[1] // block // qt._scale_inv.shape[1], 1)
-        s = s.t().to(qt.orig_dtype)
-        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=pack(qt._data, qt.quantizer), _scale_inv=torch.stack((s, torch.zeros_like(s)), -1).contiguous())
+        per_unit = qt._scale_inv if qt.quantizer.has_zero_point() else torch.stack((qt._scale_inv, torch.zeros_like(qt._scale_inv)), -1)
+        # The kernel computes (c + 8 - 8) * scale + zero: an asymmetric unit's zero point z is zero = -z * scale.
+        scale, zero = per_unit[..., 0], -per_unit[..., 1] * per_unit[..., 0]
+        sz = torch.stack((scale, zero), -1).repeat_interleave(qt.shape[1] // block // scale.shape[1], 1)
+        sz = sz.transpose(0, 1).to(qt.orig_dtype).contiguous()
+        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=pack(qt._data, qt.quantizer), _scale_inv=sz)
 
     @property
     def block_size(self) -> int:
@@ -77,11 +81,18 @@ class Int4PackedCPUTensor(QuantizedTensor):
         return Int4PackedCPUTensor(outer_size, quantizer, orig_dtype, group_name, rowwise_not_gathered=not_gathered, **inner)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight the kernel computes with: codes times the kernel's scales."""
-        scale = self._scale_inv[..., 0].t().float().contiguous()
-        if self.quantizer.layout()[0] is not Granularity.BLOCKWISE_1D:
-            scale = scale[:, :1]  # one scale per row, repeated over the kernel's blocks
-        return ops.dequantize(unpack(self._data, self.quantizer), scale, None, self.quantizer, dtype or self.orig_dtype)
+        """The weight the kernel computes with: codes times the kernel's scales (plus its zeros,
+        ``-zero_point * scale`` rounded to the weight's dtype, for an asymmetric weight)."""
+        q, sz = self.quantizer, self._scale_inv.float()
+        scale, zero = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()
+        if q.layout()[0] is not Granularity.BLOCKWISE_1D:
+            scale, zero = scale[:, :1], zero[:, :1]  # one scale per row, repeated over the kernel's blocks
+        payload = unpack(self._data, q)
+        if not q.has_zero_point():
+            return ops.dequantize(payload, scale, None, q, dtype or self.orig_dtype)
+        codec, shape = q.element_format().codec, tuple(self.shape)
+        w = codec.decode(codec.unpack(payload)) * geometry.expand(scale, shape, q.layout()) + geometry.expand(zero, shape, q.layout())
+        return saturate(w, dtype or self.orig_dtype)
 
     def __repr__(self) -> str:
         return f"Int4PackedCPUTensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, {self.quantizer!r})"

@@ -44,8 +44,9 @@ INT4_BLOCKS = (32, 64, 128, 256)
 
 
 def _int8_rows(q: Quantizer | None) -> bool:
-    """INT8 with one scale per row of the (N, K) weight (per output channel)."""
-    if q is None or q.element_format() is not Format.INT8:
+    """INT8 with one scale per row of the (N, K) weight (per output channel), no zero point (the
+    INT8 kernels take none)."""
+    if q is None or q.element_format() is not Format.INT8 or q.has_zero_point():
         return False
     gran, axis, _ = q.layout()
     return gran is Granularity.ROWWISE and axis == -1

@@ -5,12 +5,15 @@ that scheme holds, and reads both back.
 Names, shapes, dtypes and conventions are the ones compressed-tensors' compressors and vLLM's
 loaders define (read from their source; compressed-tensors 0.20, vLLM 0.32):
 
-- dequantization is ``q * weight_scale`` (no zero point: tq's quantizers are symmetric), so a tq
-  ``scale_inv`` is a weight_scale as it is, fp32;
+- dequantization is ``q * weight_scale``, or ``(q - weight_zero_point) * weight_scale`` for
+  asymmetric integer weights (``symmetric: false``; tq's `IntGrid.ASYMMETRIC`), so a tq
+  ``scale_inv`` is a weight_scale as it is, fp32; zero points are int8 in the scale's shape, or,
+  `pack-quantized`, packed as the codes are along the rows (int32, ``ceil(out * bits / 32)`` rows);
 - per-tensor scales have shape (1,), per-channel (out, 1), groups (out, in / group), 2-D blocks
   (out / b, in / b); MX scales are E8M0 exponent bytes (uint8);
-- `pack-quantized`: ``weight_packed`` int32, 32 / bits values a word, value + 2**(bits-1) (offset
-  binary), element i at bit 4 * i (4-bit) of its little-endian word, and ``weight_shape`` (int64);
+- `pack-quantized`: ``weight_packed`` int32, value + 2**(bits-1) (offset binary) packed densely,
+  element i at bit bits * i of the row's little-endian words (a 3-bit value may straddle two), and
+  ``weight_shape`` (int64);
 - MX: one format per element (`register_mx_element`): ``weight`` (8-bit elements, `mxfp8-quantized`)
   or ``weight_packed`` uint8 packed by bit width as tq packs (`mxfp4-pack-quantized`: element 2i
   in the low nibble), ``weight_scale`` uint8 E8M0 per 32-block;
@@ -82,6 +85,8 @@ class Scheme:
             text += f" {w['group_size']}"
         if w.get("block_structure"):
             text += f" {w['block_structure']}"
+        if w.get("symmetric") is False:
+            text += " asymmetric"
         if self.inputs is None:
             return text + ", activations 16-bit"
         i = dict(self.inputs)
@@ -90,8 +95,9 @@ class Scheme:
 
 # How a layer tensor's dim after the expert dim relates to the weight's rows, so that a fused
 # weight (experts' gate_up) splits into the per-module tensors engines load: "rows" (one entry a
-# weight row), ("blocks", b) (one entry per b rows), "tensor" (one value for the whole layer) or
-# "shape" (the unpacked weight shape, rebuilt after the split).
+# weight row), ("blocks", b) (one entry per b rows), ("packed_rows", bits) (one entry a row, packed
+# along the rows into int32 words as `bits`-wide codes after the split: asymmetric zero points),
+# "tensor" (one value for the whole layer) or "shape" (the unpacked weight shape, rebuilt after the split).
 RowKind = str | tuple[str, int]
 
 
@@ -164,6 +170,8 @@ def weight_scheme(q: Quantizer, unit: ExportUnit) -> tuple[tuple, str]:
 @weight_scheme.register(IntQuantizer)
 def _(q, unit):
     args = _layout_args(unit, q, "int")
+    if q.has_zero_point():
+        args = tuple((k, False if k == "symmetric" else v) for k, v in args)
     if q.format.bits < 8 or unit.input_q is None:
         return args, "pack-quantized"  # sub-byte and weight-only integers are stored packed (W4A16, W3A16, W8A16)
     return args, "int-quantized"
@@ -269,15 +277,27 @@ def weight_tensors(q: Quantizer, unit: ExportUnit, scheme: Scheme, qw: Quantized
 
 @weight_tensors.register(IntQuantizer)
 def _(q, unit, scheme, qw, out_rows, in_features):
+    zero_point = None
+    if q.has_zero_point():  # (1 / scale, zero point) a unit: compressed-tensors keeps them apart
+        zero_point = qw.scale_inv[..., 1].round().to(torch.int8)
+        qw = dataclasses.replace(qw, scale_inv=qw.scale_inv[..., 0].contiguous())
     if scheme.format != "pack-quantized":
-        return _scaled_weight(unit, qw)
+        out = _scaled_weight(unit, qw)
+        if zero_point is not None:
+            out["weight_zero_point"] = (zero_point, _scale_rows(q))  # int8, the scale's shape
+        return out
     e = unit.experts
     shape = [qw.data.shape[0], out_rows, in_features] if e else [out_rows, in_features]
-    return {
+    out = {
         "weight_packed": (pack_int32_words(int_values(qw.data, q), q.format.bits), "rows"),
         "weight_scale": (_scale_tensor(qw.scale_inv, q, e), _scale_rows(q)),
         "weight_shape": (torch.tensor(shape, dtype=torch.int64), "shape"),
     }
+    if zero_point is not None:
+        # Packed as the codes are, along the rows (compressed-tensors' packed_dim=0), once the
+        # rows of each written module are picked.
+        out["weight_zero_point"] = (zero_point, ("packed_rows", q.format.bits))
+    return out
 
 
 @weight_tensors.register(Float8Quantizer)
@@ -305,7 +325,7 @@ def _(q, unit, scheme, qw, out_rows, in_features):
 # ---------------------------------------------------------------------------------------------
 # The fields of compressed-tensors' QuantizationArgs that decide the quantization (others, such as
 # observer or the dtype a scale is stored in, do not change what a weight dequantizes to).
-_ARG_KEYS = ("num_bits", "type", "strategy", "dynamic", "group_size", "block_structure")
+_ARG_KEYS = ("num_bits", "type", "strategy", "dynamic", "group_size", "block_structure", "symmetric")
 
 
 def _norm_args(args: dict | None) -> dict | None:
@@ -313,6 +333,7 @@ def _norm_args(args: dict | None) -> dict | None:
         return None
     d = {k: args.get(k) for k in _ARG_KEYS}
     d["dynamic"] = False if d["dynamic"] is None else d["dynamic"]
+    d["symmetric"] = d["symmetric"] is not False  # compressed-tensors' default
     if d["strategy"] not in ("group", "tensor_group"):
         d["group_size"] = None
     d["block_structure"] = tuple(d["block_structure"]) if d["strategy"] == "block" and d["block_structure"] else None
@@ -450,12 +471,11 @@ class CompressedTensors(CheckpointFormat):
             raise ExportError(f"{where} quantizes activations only; tq loads layers with quantized weights")
         if group.get("output_activations"):
             raise ExportError(f"{where} quantizes its output; tq loads weight and input quantization only")
-        for side, args in (("weights", weights), ("input activations", inputs)):
-            if args is not None and args.get("symmetric", True) is False:
-                raise ExportError(
-                    f"{where}: its {side} are asymmetric (zero points); tq's integer quantizers are symmetric, so this "
-                    "checkpoint cannot load; quantize with symmetric=True"
-                )
+        if inputs is not None and inputs.get("symmetric", True) is False:
+            raise ExportError(
+                f"{where}: its input activations are asymmetric (zero points); tq loads asymmetric integer weights "
+                "(per channel or group), not activations: quantize the activations with symmetric=True"
+            )
         w, i = _norm_args(weights), _norm_args(inputs)
         block = w["block_structure"][0] if w["block_structure"] and w["block_structure"][0] == w["block_structure"][1] else None
         found = invert(

@@ -126,8 +126,10 @@ def check_layer(
     keeps global scales). Returns the scheme, with NVFP4 16x16 weight tiles where the block scales
     show them. Raises `ExportError` naming the tensor."""
     q, where = scheme.weight_q, f"tq.load_exported: layer {prefix!r} ({scheme.text})"
-    if entry("weight_zero_point") is not None and bool((get("weight_zero_point") != 0).any()):
-        raise ExportError(f"{where} holds non-zero weight_zero_point values (asymmetric); tq's quantizers are symmetric")
+    if q.has_zero_point():
+        families.check_zero_points(q, StoredLayer(prefix, where, entry, get))
+    elif entry("weight_zero_point") is not None and bool((get("weight_zero_point") != 0).any()):
+        raise ExportError(f"{where} holds non-zero weight_zero_point values (asymmetric) but its config says symmetric: true")
     if entry("weight_g_idx") is not None:
         raise ExportError(f"{where} holds weight_g_idx (GPTQ activation ordering); tq loads groups in their natural order")
     if entry("weight_scale") is None:
@@ -143,7 +145,7 @@ def check_layer(
     if err is not None:
         raise ExportError(f"{where}: its {shape} weight does not fit tq's {q!r}: {err}")
     scale = get("weight_scale")
-    want_scale = torch.Size(q.scale_shape(shape))
+    want_scale = torch.Size(families.stored_scale_shape(q, shape))
     tiled = families.with_stored_tiles(q, scale, want_scale)
     if tiled != q:
         q = tiled

@@ -56,6 +56,8 @@ __all__ = [
     "with_stored_tiles",
     "check_payload",
     "read_payload",
+    "stored_scale_shape",
+    "check_zero_points",
     "scale_problem",
     "read_weight",
     "scale_rules",
@@ -136,7 +138,14 @@ def _amax_scaled(cls: type, group_size: int | None, block: int | None, blocks_2d
 
 # INT first, then FP8, MX and NVFP4: the order the loader has always tried them in. (Integer
 # candidates are SYMMETRIC; `read_weight` reads the grid off the codes and scales.)
-register_candidates(IntQuantizer)(lambda group_size, block: _amax_scaled(IntQuantizer, group_size, block, blocks_2d=False))
+register_candidates(IntQuantizer)(
+    lambda group_size, block: _amax_scaled(IntQuantizer, group_size, block, blocks_2d=False)
+    + [
+        lambda f=f, make=make: dataclasses.replace(make(f), grid=IntGrid.ASYMMETRIC)
+        for f in IntQuantizer.allowed_formats()
+        for make in (lambda f: IntQuantizer(f, Granularity.ROWWISE), lambda f: IntQuantizer(f, Granularity.BLOCKWISE_1D, block_size=group_size))
+    ]
+)
 register_candidates(Float8Quantizer)(lambda group_size, block: _amax_scaled(Float8Quantizer, group_size, block, blocks_2d=True))
 register_candidates(MXQuantizer)(lambda group_size, block: [lambda f=f: MXQuantizer(f) for f in MXQuantizer.allowed_formats()])
 register_candidates(NVFP4Quantizer)(lambda group_size, block: [NVFP4Quantizer])
@@ -222,7 +231,9 @@ def pack_int32_words(ints: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         u = torch.nn.functional.pad(u, (0, pad))
     # tq's own packing of `bits`-wide codes is that bit stream, in bytes of word order.
-    words = pack_codes(u, bits).contiguous().view(torch.int32)  # little-endian words (every CPU torch runs on here)
+    packed = pack_codes(u, bits).contiguous()
+    # Little-endian words (every CPU torch runs on here); flat first: a (1, n) view may keep a stride of 1.
+    words = packed.reshape(-1).view(torch.int32).reshape(*packed.shape[:-1], -1)
     return words[..., : -(-cols * bits // 32)].contiguous()
 
 
@@ -322,8 +333,67 @@ def read_weight(q: Quantizer, data, scale, shape, dense: bool, layer: StoredLaye
     return ReadWeight(w, amax, inexact, quantizer=q)
 
 
+def stored_scale_shape(q: Quantizer, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the `weight_scale` a checkpoint stores for a weight of `shape`: tq's scale
+    shape, without the zero points an asymmetric quantizer keeps beside its scales."""
+    want = tuple(q.scale_shape(shape))
+    return want[:-1] if q.has_zero_point() else want
+
+
+def _zero_points(q: IntQuantizer, layer: StoredLayer, scale_shape: tuple[int, ...]) -> torch.Tensor:
+    """The int8 zero points of an asymmetric layer, in its scale's shape (unpacked where packed)."""
+    zp = layer.get("weight_zero_point")
+    if zp.dtype == torch.int32:  # pack-quantized: packed along the rows
+        zp = unpack_int32_words(zp.transpose(-1, -2), q.format.bits, scale_shape[-2]).transpose(-1, -2)
+    return zp.reshape(scale_shape)
+
+
+def check_zero_points(q: IntQuantizer, layer: StoredLayer) -> None:
+    """An asymmetric layer's zero points: there, int8 (or int32 words, packed along the rows),
+    shaped as its scale, within the grid's codes."""
+    where, prefix = layer.where, layer.prefix
+    entry, scale = layer.entry("weight_zero_point"), layer.entry("weight_scale")
+    if entry is None:
+        raise ExportError(f"{where} lacks its weight_zero_point (its config says symmetric: false)")
+    rows, groups = (list(scale["shape"]) + [1])[:2] if len(scale["shape"]) < 2 else scale["shape"][-2:]
+    packed = [-(-rows * q.format.bits // 32), groups]
+    if entry["dtype"] not in ("I8", "I32") or (entry["dtype"] == "I32" and list(entry["shape"][-2:]) != packed):
+        raise ExportError(
+            f"{where}: {prefix}.weight_zero_point is {entry['dtype']} {list(entry['shape'])}; the scheme stores int8 zero points "
+            f"shaped as weight_scale {list(scale['shape'])}, or int32 {packed} packed along the rows"
+        )
+    zp = _zero_points(q, layer, tuple(scale["shape"]))
+    lo, hi = q.code_range()
+    if zp.numel() and (int(zp.min()) < lo or int(zp.max()) > hi):
+        raise ExportError(
+            f"{where}: {prefix}.weight_zero_point holds values from {int(zp.min())} to {int(zp.max())}, beyond the "
+            f"{q.format.bits}-bit codes {lo}..{hi}: the checkpoint is corrupt"
+        )
+
+
+def _read_asymmetric(q: IntQuantizer, data, scale, shape, dense: bool, layer: StoredLayer) -> ReadWeight:
+    # The span T = max - min a scale comes from is searched as a symmetric amax is (its scale_inv
+    # is T / (2**bits - 1)); the zero point then places -min at (zp - lo) steps: -min = (zp - lo) T / (2**bits - 1).
+    base = stored_scale_shape(q, shape)
+    span, inexact = scaled_amax(scale.reshape(base), q)
+    zero = _zero_points(q, layer, base).float()
+    below = (zero - q.code_range()[0]) * span / q.scale_max()
+    # The quantizer adds the two back in fp32: `span - below` need not give the span back (3% of
+    # random cases), while below' = span - (span - below) and span - below' do (measured: every one
+    # of 10^5); a unit where they still do not is counted inexact.
+    below = span - (span - below)
+    above = span - below
+    inexact += int(((below + above) != span).sum())
+    amax = torch.stack([below, above], -1)
+    scales = torch.stack([scale_inv_of(q)(span), zero], -1)
+    w = data.float() if dense else ops.dequantize(data, scales.contiguous(), None, q, torch.float32)
+    return ReadWeight(w, amax, inexact, quantizer=q)
+
+
 @read_weight.register(IntQuantizer)
 def _(q, data, scale, shape, dense, layer, global_tensor):
+    if q.has_zero_point():
+        return _read_asymmetric(q, data, scale, shape, dense, layer)
     # The grid is not in the checkpoint: codes at the bottom of the FULL grid (-8, -128: what
     # llmcompressor writes, and tq's FULL-grid presets) need it; a layer without any reads as the
     # SYMMETRIC layers tq writes (the same codes either way; the scales map back exactly).

@@ -40,7 +40,7 @@ from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format
 from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.kv_cache import KV_TENSORS
-from tqcompile.export.names import Placement, placements
+from tqcompile.export.names import Placement, placements, put_placed
 from tqcompile.export.safetensors_io import dtype_name
 from tqcompile.export.scales import bad_values, scaled_amax
 from tqcompile.export.units import ExportError
@@ -121,26 +121,6 @@ def _unit_by_weight_key(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
 
 def _prefix(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
-
-
-def _put(dst: torch.Tensor, src: torch.Tensor, p: Placement, experts: bool, block: int, mismatch: list[str], what: str) -> None:
-    """Write `src` where placement `p` took it from (the inverse of the export's `_split`):
-    expert `p.expert`, rows `p.rows` (`block` > 1: one entry per `block` rows)."""
-    d = dst[p.expert] if experts and p.expert is not None else dst
-    rows = p.rows if p.rows is not None and d.dim() > 0 else None
-    if rows is not None and block > 1:
-        first, n = int(rows[0]), rows.numel()
-        if first % block or n % block:
-            mismatch.append(f"{what}: rows {first}..{first + n} do not align with {block}-row scale blocks")
-            return
-        rows = torch.arange(first // block, (first + n) // block)
-    shape = tuple(d.shape) if rows is None else (rows.numel(), *d.shape[1:])
-    if shape != tuple(src.shape):
-        mismatch.append(f"{what}: checkpoint {tuple(src.shape)}, model {shape}")
-    elif rows is None:
-        d.copy_(src)
-    else:
-        d[rows] = src.to(d.dtype)
 
 
 class _Unit:
@@ -225,7 +205,7 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
             ps, target = where[key], value.detach()
             if key not in units_by_key or not any(_prefix(p.name) in quantized for p in ps):
                 for p in ps:
-                    _put(target, ckpt.get(p.name), p, value.dim() == 3, 1, mismatch, p.name)
+                    put_placed(target, ckpt.get(p.name), p, value.dim() == 3, 1, mismatch, p.name)
                 continue
             name, unit_module = units_by_key[key]
             dst = torch.empty(value.shape, dtype=torch.float32)
@@ -395,7 +375,7 @@ def _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, 
     unit = _Unit(name, first)
     wq, n_exp = first.weight_q, (dst.shape[0] if experts else None)
     for p, layer in layers:
-        _put(dst, layer.weight, p, experts, 1, mismatch, p.name)
+        put_placed(dst, layer.weight, p, experts, 1, mismatch, p.name)
     kind = static_amax_kind(wq, "weight")
     if kind == "tensor":
         amax = _tensor_amax([(p, lay.weight_amax) for p, lay in layers], n_exp, notes, name)
@@ -404,7 +384,7 @@ def _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, 
         unit.weight_amax = torch.zeros(wq.scale_shape(dst.shape))
         block = wq.layout()[2] if wq.layout()[0] is Granularity.BLOCKWISE_2D else 1
         for p, lay in layers:
-            _put(unit.weight_amax, lay.weight_amax, p, experts, block, mismatch, f"{p.name} scales")
+            put_placed(unit.weight_amax, lay.weight_amax, p, experts, block, mismatch, f"{p.name} scales")
     if first.input_q is not None and first.static_input:
         unit.input_amax = _tensor_amax([(p, lay.input_amax) for p, lay in layers], n_exp, notes, f"{name} input")
     return unit

@@ -23,7 +23,7 @@ from torch import nn
 
 from tqcompile.surgery.names import unwrap
 
-__all__ = ["Placement", "placements", "is_hf_model"]
+__all__ = ["Placement", "placements", "put_placed", "is_hf_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +96,23 @@ def placements(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, lis
             full = local.numel() == shape[0] and bool((local == torch.arange(shape[0])).all())
             out[src].append(Placement(name, None, None if full else local))
     return out
+
+
+def put_placed(dst: torch.Tensor, src: torch.Tensor, p: Placement, experts: bool, block: int, mismatch: list[str], what: str) -> None:
+    """Write `src` where placement `p` took it from (the inverse of the export's `_split`):
+    expert `p.expert`, rows `p.rows` (`block` > 1: one entry per `block` rows)."""
+    d = dst[p.expert] if experts and p.expert is not None else dst
+    rows = p.rows if p.rows is not None and d.dim() > 0 else None
+    if rows is not None and block > 1:
+        first, n = int(rows[0]), rows.numel()
+        if first % block or n % block:
+            mismatch.append(f"{what}: rows {first}..{first + n} do not align with {block}-row scale blocks")
+            return
+        rows = torch.arange(first // block, (first + n) // block)
+    shape = tuple(d.shape) if rows is None else (rows.numel(), *d.shape[1:])
+    if shape != tuple(src.shape):
+        mismatch.append(f"{what}: checkpoint {tuple(src.shape)}, model {shape}")
+    elif rows is None:
+        d.copy_(src)
+    else:
+        d[rows] = src.to(d.dtype)

@@ -14,9 +14,11 @@ from torch import nn
 
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat
 from tqcompile.export.checks import ExportWarning, check_experts, check_fused, check_scales, extra_targets, shared_global_amax
+from tqcompile.export.families import pack_int32_words
 from tqcompile.export.files import Destination
 from tqcompile.export.kv_cache import kv_cache_units, kv_scale
 from tqcompile.export.names import Placement, is_hf_model, placements
+from tqcompile.export.readers import safetensors_reader
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit
 from tqcompile.nn.histories import HISTORY_PREFIX
@@ -119,6 +121,13 @@ def _from_rank0(outcome: ExportReport | BaseException | None) -> ExportReport:
     return box[0]
 
 
+def _checkpoint_reader(checkpoint, model: nn.Module):
+    """The reader of a DCP checkpoint directory (its ``.metadata``), or of a safetensors one."""
+    if os.path.isfile(os.path.join(str(checkpoint), ".metadata")):
+        return _dcp_reader(checkpoint)
+    return safetensors_reader(str(checkpoint), unwrap(model))
+
+
 def _dcp_reader(checkpoint):
     """Read one model tensor at a time from a DCP checkpoint written by
     `tq.distributed.checkpoint.save` (any number of ranks), in this one process."""
@@ -153,6 +162,9 @@ def _split(t: torch.Tensor, kind, p: Placement, experts: bool, unit_name: str) -
         return t  # rebuilt for each placement by the caller
     if experts and p.expert is not None:
         t = t[p.expert]
+    if isinstance(kind, tuple) and kind[0] == "packed_rows":
+        rows = t if p.rows is None else t[p.rows]
+        return pack_int32_words(rows.transpose(-1, -2), kind[1]).transpose(-1, -2).contiguous()
     if p.rows is None or kind == "tensor":
         return t
     if kind == "rows":
@@ -200,8 +212,9 @@ def export(
         max_shard_size: bytes, or a string such as "5GB".
         overwrite: replace the files of an existing checkpoint in `path`.
         checkpoint: a DCP checkpoint directory (`tq.distributed.checkpoint.save`, from any number of
-            ranks) to read the tensors from, one at a time, instead of from `model`, which then
-            only gives the structure: build it on the meta device and convert it as it was trained
+            ranks), or a safetensors one (`save_pretrained`; `tq.quantize_checkpoint` uses it), to
+            read the tensors from, one at a time, instead of from `model`, which then only gives
+            the structure: build it on the meta device and convert it as it was trained
             (``with torch.device("meta"): model = ...; tq.convert(model, recipe)``). One process,
             no process group, memory for one layer.
         collective: under an initialized process group of more than one rank, None (the
@@ -307,7 +320,7 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
     Returns the report on the writing rank, None on the others."""
     writer = None
     try:
-        read = (lambda key, value: full_tensor(value)) if checkpoint is None else _dcp_reader(checkpoint)
+        read = (lambda key, value: full_tensor(value)) if checkpoint is None else _checkpoint_reader(checkpoint, model)
         state = _drop_tied(model, _canonical_state(model), units)
         lost = [u.weight_key for u in units if u.weight_key not in state]
         if lost:  # never write a quantized layer as float

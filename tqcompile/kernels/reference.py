@@ -73,7 +73,7 @@ def unit_amax(x: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """The amax of each scaling unit of `x` (fp32, shape ``q.scale_shape(x.shape)``) over finite
     values, after any transform: exactly the amax a dynamic `quantize(x, q, None, ...)` scales with
     for Float8 / Int quantizers, so passing it back as a static amax reproduces that call."""
-    return geometry.unit_amax(finite_abs(transformed(x, q)), q.layout())
+    return q.reference_unit_amax(transformed(x, q))
 
 
 def tensor_scale_inv(amax: torch.Tensor, q: Quantizer) -> torch.Tensor:

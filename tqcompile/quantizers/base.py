@@ -29,7 +29,7 @@ from tqcompile._opaque import OpaqueBase, register_value_type
 from tqcompile.formats import Format
 from tqcompile.quantizers import geometry
 from tqcompile.quantizers.geometry import Granularity
-from tqcompile.quantizers.scaling import FP32_MAX
+from tqcompile.quantizers.scaling import FP32_MAX, finite_abs
 
 __all__ = ["Quantizer", "register_family", "quantizer_families", "PUBLIC_MODULE"]
 
@@ -102,6 +102,12 @@ class Quantizer(OpaqueBase):
 
     def scale_dtype(self) -> torch.dtype:
         return torch.float32
+
+    def has_zero_point(self) -> bool:
+        """True when each unit has a zero point besides its scale (an asymmetric integer grid):
+        its static amax then holds ``(-min, max)`` a unit and its scales ``(1 / scale, zero_point)``,
+        a trailing dim of 2 in `scale_shape`."""
+        return False
 
     def scale_max(self) -> float:
         """The scaled value an amax maps to in an amax-scaled family (FP8, INT): the scale is
@@ -245,6 +251,16 @@ class Quantizer(OpaqueBase):
         return shape[:-1] + (shape[-1] // fmt.pack_bytes * fmt.pack_elements,)
 
     # --- reference numerics (each family writes them; tqcompile.kernels.reference runs them) --
+    def reference_unit_amax(self, xf: torch.Tensor) -> torch.Tensor:
+        """The static amax of each scaling unit of the transformed fp32 `xf` over its finite values,
+        in `scale_shape`: the max magnitude (``(-min, max)`` where `has_zero_point`)."""
+        return geometry.unit_amax(finite_abs(xf), self.layout())
+
+    def reference_in_range(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """Where `x` lies within the range a static per-unit `amax` gives (the clipped STE passes
+        the gradient there): ``|x| <= amax``."""
+        return x.abs() <= geometry.expand(amax, x.shape, self.layout())
+
     def reference_transform(self, xf: torch.Tensor) -> torch.Tensor:
         """The contiguous fp32 `xf` as the element format sees it (a transform along the last dim,
         such as NVFP4's Hadamard; the identity by default). Amaxes are taken after it."""

@@ -13,7 +13,7 @@ from tqcompile.formats.format import formats_of_kind
 from tqcompile.quantizers import geometry
 from tqcompile.quantizers.base import Quantizer, register_family
 from tqcompile.quantizers.geometry import Granularity
-from tqcompile.quantizers.scaling import amax_scaled
+from tqcompile.quantizers.scaling import amax_scaled, scale_from_amax
 
 __all__ = ["IntQuantizer", "IntGrid"]
 
@@ -36,12 +36,20 @@ class IntGrid(enum.Enum):
     The PTQ presets use it for weights (and for static INT8 activations); SYMMETRIC, a grid
     symmetric about zero, stays the default of `IntQuantizer` (QAT, per-token activations as vLLM
     quantizes them with amax / 127, and every quantizer saved before FULL existed).
+
+    ASYMMETRIC adds a zero point per unit (compressed-tensors' ``symmetric: false``): the codes of
+    FULL span the unit's ``[min(x, 0), max(x, 0)]``, ``scale = (2**bits - 1) / (max - min)``,
+    ``zero_point = round(-2**(bits-1) - min * scale)``, ``q = round(clamp(x * scale + zero_point))``
+    and ``x = (q - zero_point) / scale``. For weights, per channel or in 1-D blocks: its static
+    "amax" holds two values a unit, ``(-min, max)`` (both non-negative, so a max-reduction and a
+    clipping ratio act on each side), and its scales two, ``(1 / scale, zero_point)``.
     """
 
     __module__ = "tqcompile.quantizers"  # the name pickles of quantizers hold (see tqcompile.quantizers)
 
     SYMMETRIC = "symmetric"
     FULL = "full"
+    ASYMMETRIC = "asymmetric"
 
 
 @register_family
@@ -74,6 +82,11 @@ class IntQuantizer(Quantizer):
     def __post_init__(self) -> None:
         self._check_layout(self.allowed_formats(), (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE_1D))
         self._check_enum("grid", tuple(IntGrid))
+        if self.grid is IntGrid.ASYMMETRIC and self.granularity is Granularity.TENSORWISE:
+            raise ValueError(
+                "IntQuantizer: grid=IntGrid.ASYMMETRIC with granularity=Granularity.TENSORWISE is not allowed; allowed: "
+                "ROWWISE or BLOCKWISE_1D (weights per channel or group, as compressed-tensors' asymmetric schemes)"
+            )
         self._check_epsilon(self.scale_max())
         self._canonicalize_layout()
 
@@ -87,11 +100,34 @@ class IntQuantizer(Quantizer):
     def code_range(self) -> tuple[int, int]:
         """(lowest, highest) signed code of this quantizer's grid."""
         qmax = int(self.format.max_value)
-        return (-qmax - 1 if self.grid is IntGrid.FULL else -qmax), qmax
+        return (-qmax if self.grid is IntGrid.SYMMETRIC else -qmax - 1), qmax
 
     def scale_max(self) -> float:
-        """The scaled value an amax maps to: qmax on SYMMETRIC, qmax + 0.5 on FULL."""
+        """The scaled value an amax maps to: qmax on SYMMETRIC, qmax + 0.5 on FULL; on ASYMMETRIC
+        the span ``max - min`` maps to ``2**bits - 1``."""
+        if self.grid is IntGrid.ASYMMETRIC:
+            return 2.0 * self.format.max_value + 1.0
         return self.format.max_value + (0.5 if self.grid is IntGrid.FULL else 0.0)
+
+    def has_zero_point(self) -> bool:
+        return self.grid is IntGrid.ASYMMETRIC
+
+    def scale_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        base = geometry.scale_shape(shape, self.layout())
+        return base + (2,) if self.has_zero_point() else base
+
+    def reference_unit_amax(self, xf: torch.Tensor) -> torch.Tensor:
+        if not self.has_zero_point():
+            return Quantizer.reference_unit_amax(self, xf)
+        finite = torch.where(torch.isfinite(xf), xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
+        below, above = (-finite).clamp(min=0), finite.clamp(min=0)
+        return torch.stack([geometry.unit_amax(below, self.layout()), geometry.unit_amax(above, self.layout())], -1)
+
+    def reference_in_range(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        if not self.has_zero_point():
+            return Quantizer.reference_in_range(self, x, amax)
+        lo, hi = (geometry.expand(amax[..., i], x.shape, self.layout()) for i in (0, 1))
+        return (x >= -lo) & (x <= hi)
 
     def element_format(self) -> Format:
         return self.format
@@ -100,10 +136,39 @@ class IntQuantizer(Quantizer):
         return self.granularity, self.axis, self.block_size
 
     def reference_quantize(self, xf, amax, seed) -> tuple[torch.Tensor, torch.Tensor]:
-        codec = self.format.codec
-        v, scale_inv = amax_scaled(xf, self.layout(), amax, self.scale_max(), self.amax_epsilon)
-        return codec.pack(codec.encode(v, *self.code_range())), scale_inv
+        codec, (lo, hi) = self.format.codec, self.code_range()
+        if not self.has_zero_point():
+            v, scale_inv = amax_scaled(xf, self.layout(), amax, self.scale_max(), self.amax_epsilon)
+            return codec.pack(codec.encode(v, lo, hi)), scale_inv
+        ext = self.reference_unit_amax(xf) if amax is None else amax.float()
+        scale = scale_from_amax(ext[..., 0] + ext[..., 1], self.scale_max(), self.amax_epsilon, False)
+        zero = (lo + ext[..., 0] * scale).round().clamp(lo, hi)
+        layout = self.layout()
+        v = torch.nan_to_num(xf, nan=0.0) * geometry.expand(scale, xf.shape, layout) + geometry.expand(zero, xf.shape, layout)
+        return codec.pack(codec.encode(v, lo, hi)), torch.stack([1.0 / scale, zero], -1)
+
+    def reference_unit_scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(scale, scale_inv, zero_point or None) of static per-unit amaxes, as `reference_quantize`
+        computes them (GPTQ holds them while it rounds a unit's columns one at a time)."""
+        if not self.has_zero_point():
+            scale = scale_from_amax(amax.float(), self.scale_max(), self.amax_epsilon, False)
+            return scale, 1.0 / scale, None
+        ext, lo = amax.float(), self.code_range()[0]
+        scale = scale_from_amax(ext[..., 0] + ext[..., 1], self.scale_max(), self.amax_epsilon, False)
+        return scale, 1.0 / scale, (lo + ext[..., 0] * scale).round().clamp(lo, self.code_range()[1])
+
+    def reference_round(self, xf: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """``dequantize(quantize(xf))`` in fp32 under scales from `reference_unit_scales` (broadcast
+        to `xf`): the same arithmetic, bit for bit, without payloads."""
+        lo, hi = self.code_range()
+        v = torch.nan_to_num(xf, nan=0.0) * scale
+        if zero is None:
+            return (v.clamp(lo, hi).round() + 0.0) * scale_inv  # + 0.0: a code is never -0
+        return ((v + zero).clamp(lo, hi).round() - zero + 0.0) * scale_inv
 
     def reference_dequantize(self, data, scale_inv, amax, shape) -> torch.Tensor:
-        codec = self.format.codec
-        return codec.decode(codec.unpack(data)) * geometry.expand(scale_inv, shape, self.layout())
+        codec, layout = self.format.codec, self.layout()
+        codes = codec.decode(codec.unpack(data))
+        if not self.has_zero_point():
+            return codes * geometry.expand(scale_inv, shape, layout)
+        return (codes - geometry.expand(scale_inv[..., 1], shape, layout)) * geometry.expand(scale_inv[..., 0], shape, layout)

@@ -1,0 +1,104 @@
+"""Quantize a checkpoint on disk into a serving checkpoint without loading the model:
+`tq.quantize_checkpoint`.
+
+The model is built on the meta device (shapes, no values) from the checkpoint's `config.json`
+and converted as `tq.calibrate` converts it; then, one weight at a time, each quantized layer's
+weight is read from the checkpoint's safetensors, its static amax computed (what `max`
+calibration gives: data-free), and the weight dropped; `tq.export` then reads every tensor from
+the checkpoint again, one at a time, and writes the quantized one. Peak memory is the largest
+tensor (and its quantized form), not the model: a model larger than the machine's memory
+quantizes, as llmcompressor's `model_free_ptq` does for data-free schemes. Schemes that need
+calibration data (static activation amaxes, GPTQ / AWQ / SmoothQuant) need the model's forward
+and are refused here: calibrate those with `tq.calibrate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from tqcompile.calibration.config import QuantConfig
+from tqcompile.calibration.fused import share_fused_weight_amax
+from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
+from tqcompile.calibration.pipeline import check_data_free, prepare, weight_amax
+from tqcompile.export.readers import safetensors_reader
+from tqcompile.export.units import ExportError
+from tqcompile.export.writer import export
+from tqcompile.surgery.names import canonical_modules
+
+__all__ = ["quantize_checkpoint"]
+
+
+def _meta_model(path: str) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:  # pragma: no cover - transformers is installed wherever HF checkpoints are read
+        raise ExportError("tq.quantize_checkpoint: building the model from config.json needs transformers; or pass model=") from e
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ExportError(f"tq.quantize_checkpoint: {path!r} has no config.json to build the model from; pass model= (built on the meta device)")
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+@contextlib.contextmanager
+def _loaded(module: nn.Module, name: str, value: torch.Tensor):
+    """`module`'s parameter `name` holds `value` for the duration (its meta placeholder after)."""
+    meta = module._parameters[name]
+    module._parameters[name] = nn.Parameter(value, requires_grad=False)
+    try:
+        yield
+    finally:
+        module._parameters[name] = meta
+
+
+def quantize_checkpoint(
+    path: str,
+    out: str,
+    config: QuantConfig,
+    *,
+    model: nn.Module | None = None,
+    format: str = "compressed-tensors",
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+):
+    """Quantize the safetensors checkpoint in `path` (a `save_pretrained` directory) with the
+    data-free `config` and write the serving checkpoint to `out`, one tensor in memory at a time.
+
+    Args:
+        path: the float checkpoint (its `config.json` builds the model on the meta device).
+        out: the directory to write (as `tq.export`).
+        config: a `QuantConfig` whose quantizers need no data: weights (any preset's weight
+            quantizers), and activations only where their scales come from each input (dynamic:
+            `tq.configs.int8_dynamic()`, `int4_weight_only()`, MX). Static activation amaxes are
+            refused, naming the layers.
+        model: the model skeleton to use instead of building it from `config.json` (on the meta
+            device, as the checkpoint's state-dict names expect).
+        format, dtype, max_shard_size, overwrite: as `tq.export`.
+
+    Returns:
+        `tq.export`'s report. The result equals ``tq.calibrate(model, config, None)`` then
+        ``tq.export`` on the loaded model, byte for byte (tests/test_quantize_checkpoint.py).
+    """
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"tq.quantize_checkpoint: config must be a tq QuantConfig, got {type(config).__name__}")
+    model = _meta_model(path) if model is None else model
+    read = safetensors_reader(path, model)
+    prepare(model, config)
+    units = [(n, m) for n, m in canonical_modules(model) if holds_quantizers(m)]
+    check_data_free(units, "tq.quantize_checkpoint (data-free)")
+    owners = {id(p): (mod, key, f"{n}.{key}" if n else key) for n, mod in canonical_modules(model) for key, p in mod._parameters.items() if p is not None}
+    for _, unit in units:
+        t = unit.quantizers().get("weight")
+        if t is None or not t.enabled or t.static_kind is None:
+            continue
+        param = unit.owner._parameters[unit.gemm.weight] if isinstance(unit, ExpertGemmQuantizers) else unit.weight
+        owner, key, full = owners[id(param)]
+        with _loaded(owner, key, read(full, param)):
+            t.set_amax(weight_amax(unit, t, "max"))
+    share_fused_weight_amax(units)  # NVFP4 q/k/v and gate/up: one global amax, as tq.calibrate gives them
+    return export(model, out, format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, checkpoint=path)
