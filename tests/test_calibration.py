@@ -279,7 +279,7 @@ def test_summary_lists_every_quantizable_module():
     assert [r.name for r in s.rows] == ["conv1", "bn1", "conv2", "bn2", "fc"]
     bn = s.rows[1]
     assert (bn.module_class, bn.kind, bn.input, bn.weight, bn.output) == ("BatchNorm2d", "BatchNorm", "off", "off", "off")
-    assert s.rows[2].weight.startswith("INT8 per-channel amax(32, 1)∈[")
+    assert s.rows[2].weight.startswith("INT8 per-channel full amax(32, 1)∈[")
     text = str(s)
     assert "conv2" in text and "5 quantizable modules, 6 quantizers enabled" in text
 

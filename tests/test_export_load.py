@@ -178,7 +178,7 @@ def test_summary_and_quant_state_of_the_loaded_model(tmp_path):
     tq.export(model, str(tmp_path / "a"))
     loaded = tq.load_exported(str(tmp_path / "a"))
     rows = {r.name: r for r in tq.summary(loaded).rows}
-    assert rows["model.layers.0.self_attn.q_proj"].weight.startswith("INT8 per-channel amax")
+    assert rows["model.layers.0.self_attn.q_proj"].weight.startswith("INT8 per-channel full amax")
     assert rows["lm_head"].weight == "off" and rows["model.embed_tokens"].weight == "off"
     # A calibrated model like any: its state restores into a fresh float model.
     fresh = tq.restore(tiny_llama(seed=3), tq.quant_state(loaded))

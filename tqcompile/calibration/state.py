@@ -47,7 +47,7 @@ from tqcompile.calibration.modules import (
     unsupported_reason,
 )
 from tqcompile.calibration.pipeline import CalibrationRecord, CalibrationWarning, set_record
-from tqcompile.quantizers import Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Granularity, IntGrid, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.surgery.checks import check_not_sharded
 from tqcompile.surgery.names import canonical_modules
 from tqcompile.surgery.plan import Decision, apply
@@ -321,6 +321,12 @@ def describe_quantizer(q: Quantizer) -> str:
         Granularity.BLOCKWISE_2D: f"block{block}x{block}",
     }[gran]
     return f"{q.element_format().name} {how}"
+
+
+@describe_quantizer.register(IntQuantizer)
+def _(q: IntQuantizer) -> str:
+    grid = {IntGrid.SYMMETRIC: "", IntGrid.FULL: " full", IntGrid.ASYMMETRIC: " asym"}[q.grid]
+    return describe_quantizer.dispatch(Quantizer)(q) + grid
 
 
 @describe_quantizer.register(MXQuantizer)

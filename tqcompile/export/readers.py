@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ from tqcompile.export.names import Placement, placements, put_placed
 from tqcompile.export.units import ExportError
 from tqcompile.surgery.names import canonical_modules
 
-__all__ = ["safetensors_reader"]
+__all__ = ["safetensors_reader", "trim_heap"]
 
 
 def safetensors_reader(path: str, model: nn.Module):
@@ -24,6 +26,7 @@ def safetensors_reader(path: str, model: nn.Module):
     where = placements(model, shapes)
 
     def read(key: str, value: torch.Tensor) -> torch.Tensor:
+        trim_heap()  # the previous tensor's copies, freed: back to the system before the next one comes
         parts = where.get(key, [Placement(key)])
         lost = [p.name for p in parts if p.name not in files.entries]
         if lost:
@@ -42,3 +45,18 @@ def safetensors_reader(path: str, model: nn.Module):
         return out
 
     return read
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the operating system (glibc's `malloc_trim`; elsewhere nothing).
+    A weight's float copy and its quantization's temporaries, freed, otherwise stay in the
+    process's heap as fragments that the next weight's sizes do not fit: `tq.quantize_checkpoint`
+    of a Llama at hidden 2048 measured +45 MiB resident a layer without it (peak 860 MiB at 4
+    layers, 1191 at 16), flat with it (804, 813)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -24,7 +24,7 @@ from tqcompile.calibration.config import QuantConfig
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
 from tqcompile.calibration.pipeline import check_data_free, prepare, weight_amax
-from tqcompile.export.readers import safetensors_reader
+from tqcompile.export.readers import safetensors_reader, trim_heap
 from tqcompile.export.units import ExportError
 from tqcompile.export.writer import export
 from tqcompile.surgery.names import canonical_modules
@@ -100,5 +100,6 @@ def quantize_checkpoint(
         owner, key, full = owners[id(param)]
         with _loaded(owner, key, read(full, param)):
             t.set_amax(weight_amax(unit, t, "max"))
+        trim_heap()
     share_fused_weight_amax(units)  # NVFP4 q/k/v and gate/up: one global amax, as tq.calibrate gives them
     return export(model, out, format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, checkpoint=path)
