@@ -38,7 +38,7 @@ from typing import Any
 from torch import nn
 
 from tqcompile.formats import Format
-from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.quantizers.base import quantizer_families
 
 __all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "KV_SLOTS", "register_module_type", "module_type_name"]
@@ -95,8 +95,8 @@ def kv_quantizer_problem(q: Quantizer) -> str | None:
     (TENSORWISE) or per KV head (ROWWISE along the last dim), the caches engines load. vLLM 0.32's
     compressed-tensors loader takes num_bits 8, type float only; its ModelOpt loader FP8 only."""
     gran, axis, _ = q.layout()
-    ok = isinstance(q, Float8Quantizer) and q.format is Format.E4M3
-    if not ok or gran not in (Granularity.TENSORWISE, Granularity.ROWWISE):
+    # FP8 E4M3 under one fp32 scale per tensor or per row: asked of the quantizer, not of its class.
+    if not (q.scaled_mm_operand() and q.element_format() is Format.E4M3):
         return (
             "allowed: Float8Quantizer(E4M3), TENSORWISE (one scale per layer) or ROWWISE (one per KV head), "
             "as tq.configs.fp8_kv_cache() makes; no engine loads an INT8 or E5M2 KV cache from a checkpoint"
