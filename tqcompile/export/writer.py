@@ -285,8 +285,8 @@ def _check_not_compressed(model: nn.Module) -> None:
     if packed:
         first = packed[0]
         raise ExportError(
-            f"tq.export: the model is compressed (tq.compress; layer {first.name!r} holds a packed weight for its "
-            f"{first.kernel} kernel); export the calibrated model before tq.compress, or load the checkpoint again "
+            f"tq.export: the model is compressed (tq.compress; layer {first.name!r} runs its {first.kernel} kernel, "
+            f"{first.reason}); export the calibrated model before tq.compress, or load the checkpoint again "
             "(tq.load_exported) and compress that"
         )
 
