@@ -15,7 +15,7 @@ from torch import nn
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat
 from tqcompile.export.checks import ExportWarning, check_experts, check_fused, check_scales, extra_targets, shared_global_amax
 from tqcompile.export.files import Destination
-from tqcompile.export.kv_cache import kv_cache_units, kv_scale
+from tqcompile.export.kv_cache import QUERY_QUANTIZER, QUERY_TENSOR, kv_cache_units, kv_scale
 from tqcompile.export.names import Placement, is_hf_model, placements
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
 from tqcompile.export.units import ExportError, ExportUnit, collect_units, full_tensor, quantize_unit
@@ -330,6 +330,9 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
         for u in kv_units:  # after the model's own tensors, as llmcompressor's checkpoints hold them
             for local, t in fmt.kv_cache_tensors(kv_q, kv_scale(u.key_amax, kv_q), kv_scale(u.value_amax, kv_q)).items():
                 run.emit(f"{u.name}.{local}", t)
+            if u.query_amax is not None:  # one per layer, shaped as the format's per-layer k_scale
+                q_scale = kv_scale(u.query_amax, QUERY_QUANTIZER)
+                run.emit(f"{u.name}.{QUERY_TENSOR}", fmt.kv_cache_tensors(QUERY_QUANTIZER, q_scale, q_scale)["k_scale"])
         ignored = _ignored(model, where, run.quantized, fmt.IGNORE_EXPERTS)
         targets = extra_targets(model, units)
 
