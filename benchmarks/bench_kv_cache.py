@@ -20,8 +20,8 @@ process each:
 
 Rows: FP8 KV per tensor and per head alone; W8A8 (``tq.configs.int8_dynamic()``; llmcompressor's
 W8A8 preset) and W4A16 g128 (``tq.configs.int4_weight_only()``; its W4A16 preset), each without and
-with FP8 KV per tensor and per head. Weights are round to nearest on both sides. Measured figures: docs/ptq.md, "Perplexity
-with an FP8 KV cache, against llmcompressor".
+with FP8 KV per tensor and per head. Weights are round to nearest on both sides. Measured figures:
+docs/ptq.md, "Perplexity with an FP8 KV cache, against llmcompressor".
 """
 
 from __future__ import annotations
