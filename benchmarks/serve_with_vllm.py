@@ -90,9 +90,12 @@ def serve(model_dir: str, requests_path: str, result_path: str, max_model_len: i
         result["startup_s"] = time.perf_counter() - t0
         result["loads"] = True
         if requests.get("kv_cache_dtype", "auto") != "auto":
-            # The KV scales vLLM's attention layers write their cache with, as loaded (one float a layer).
+            # The KV scales vLLM's attention layers write their cache with, as loaded (one float a layer),
+            # and the query scale its FP8 attention kernels read (k_scale when the checkpoint has none).
             def kv_scales(model):
-                return {n: [m._k_scale_float, m._v_scale_float] for n, m in model.named_modules() if hasattr(m, "_k_scale_float")}
+                return {
+                    n: [m._k_scale_float, m._v_scale_float, m._q_scale_float] for n, m in model.named_modules() if hasattr(m, "_k_scale_float")
+                }
 
             result["kv_scales"] = llm.apply_model(kv_scales)[0]
         params = SamplingParams(temperature=0, max_tokens=requests["max_tokens"], logprobs=requests["logprobs"])
@@ -254,6 +257,12 @@ FORMATS = (
     # "+ FP8 KV" rows are served with kv_cache_dtype="fp8" (vLLM's CPU attention has an FP8 cache on AVX-512 / AMX).
     ("CT INT8 W8A8 static + FP8 KV per-tensor", lambda: tq.configs.int8().with_rules(tq.configs.fp8_kv_cache()), "compressed-tensors", True),
     (
+        "CT INT8 W8A8 static + FP8 KV per-tensor + query",
+        lambda: tq.configs.int8().with_rules(tq.configs.fp8_kv_cache(query=True)),
+        "compressed-tensors",
+        True,
+    ),
+    (
         "CT INT8 W8A8 static + FP8 KV per-head",
         lambda: tq.configs.int8().with_rules(tq.configs.fp8_kv_cache(per_head=True)),
         "compressed-tensors",
@@ -323,18 +332,22 @@ def compare(model: torch.nn.Module, prompts: list[list[int]], served: dict, max_
 def kv_scale_check(model: torch.nn.Module, served: dict, log_path: Path) -> str:
     """Whether vLLM writes its FP8 cache with the exported scales: the k/v scale of each attention layer as
     vLLM loaded it against tq's scale_inv (the max over heads: vLLM's CPU attention takes one float a layer),
-    and whether vLLM's log says it fell back to 1.0."""
+    and where tq quantizes the query its q_scale too (vLLM's q_scale is shown either way: 1.0 on its CPU build
+    when a checkpoint has none); and whether vLLM's log says it fell back to 1.0."""
     from tqcompile.calibration.state import attention_units
     from tqcompile.kernels.reference import tensor_scale_inv
 
-    ours = [
-        [float(tensor_scale_inv(a.key_quantizer.amax, a.key_quantizer.quantizer).max()),
-         float(tensor_scale_inv(a.value_quantizer.amax, a.value_quantizer.quantizer).max())]
-        for _, a in attention_units(model)
-    ]
-    theirs = list(served.get("kv_scales", {}).values())
+    def scale(t) -> float:
+        return float(tensor_scale_inv(t.amax, t.quantizer).max())
+
+    ours, theirs = [], []
+    for (_, a), loaded in zip(attention_units(model), served.get("kv_scales", {}).values()):
+        query = a.query_quantizer.enabled
+        ours.append([scale(a.key_quantizer), scale(a.value_quantizer), *([scale(a.query_quantizer)] if query else [])])
+        theirs.append(loaded if query else loaded[:2])
+    q_loaded = [v[2] for v in served.get("kv_scales", {}).values()]
     fallback = "scaling factor 1.0" in log_path.read_text()
-    return f"KV scales tq {ours} vLLM {theirs}; equal: {ours == theirs}; vLLM's 'scale 1.0' warning: {fallback}"
+    return f"KV scales (k, v[, q]) tq {ours} vLLM {theirs}; equal: {ours == theirs}; vLLM's q_scale {q_loaded}; 'scale 1.0' warning: {fallback}"
 
 
 def main() -> None:

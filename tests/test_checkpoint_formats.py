@@ -159,6 +159,23 @@ def test_export_branches_on_no_quantizer_class_and_reaches_into_no_other_package
     assert not private, f"tqcompile/export reaches into private names: {private}"
 
 
+def test_no_isinstance_on_a_concrete_quantizer_class_outside_the_quantizers():
+    # Issue 26: layers above tqcompile/quantizers ask a quantizer's capabilities (element_format,
+    # layout, has_global_scale, ...) or compare values; the class of a family is the family's business.
+    classes = {c.__name__ for c in quantizer_families()}
+    package = EXPORT.parent
+    branches = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "quantizers":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass") and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                names = [getattr(k, "id", None) or getattr(k, "attr", None) for k in kinds]
+                branches += [f"{path.relative_to(package)}:{node.lineno} {n}" for n in names if n in classes]
+    assert not branches, f"isinstance on a concrete quantizer class outside tqcompile/quantizers: {branches}"
+
+
 def test_load_candidates_follow_the_registries():
     # Every MX element format is a candidate: a checkpoint scheme resolves through the families.
     scheme = ct.COMPRESSED_TENSORS.group_scheme(

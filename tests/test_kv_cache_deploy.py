@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 
 import tqcompile as tq
 from tqcompile.calibration import QuantConfig
+from tqcompile.export import ExportError
 from tqcompile.testing.compile import CompileCounter
 
 NEW = 6
@@ -161,3 +162,22 @@ def test_compress_leaves_the_model_as_it_was_when_a_kv_amax_is_missing():
         tq.compress(model)
     assert type(model.model.layers[0].self_attn) is before
     assert not isinstance(model.model.layers[0].self_attn.q_proj.weight, tq.QuantizedTensor)
+
+
+def test_deployed_layers_lists_the_fp8_cache_of_each_compressed_attention():
+    model = tq.compress(calibrated(per_head=True, weights=tq.configs.int8_dynamic()))
+    rows = {row.name: row for row in tq.deploy.deployed_layers(model)}
+    attentions = [f"model.layers.{i}.self_attn" for i in range(2)]
+    for name in attentions:
+        assert rows[name].kernel == "fp8 kv cache" and rows[name].weight_bytes == 0
+        assert f"{name}.q_proj" in rows  # its projections keep their own rows
+    kv_only = tq.deploy.deployed_layers(tq.compress(calibrated(per_head=False)))
+    assert [(row.name, row.kernel) for row in kv_only] == [(name, "fp8 kv cache") for name in attentions]
+
+
+def test_export_refuses_a_compressed_model_that_quantizes_only_its_kv_cache(tmp_path):
+    # The rule of every compressed model: export the calibrated one (its FP8 cache is tq's runtime form).
+    model = tq.compress(calibrated(per_head=False))
+    with pytest.raises(ExportError, match=r"the model is compressed \(tq.compress; layer 'model.layers.0.self_attn' runs its fp8 kv cache"):
+        tq.export(model, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()

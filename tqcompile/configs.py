@@ -139,16 +139,18 @@ def fp8(*, ste: str = "clipped") -> QuantConfig:
     return _preset(Float8Quantizer(Format.E4M3), Float8Quantizer(Format.E4M3), ste)
 
 
-def fp8_kv_cache(*, per_head: bool = False) -> QuantRule:
+def fp8_kv_cache(*, per_head: bool = False, query: bool = False) -> QuantRule:
     """A rule quantizing every attention's KV cache to FP8 E4M3 with static, calibrated scales: one
-    per layer, or one per KV head (`per_head`, compressed-tensors' "attn_head"). Append it to any
-    preset; it sets only the attention modules' key and value quantizers.
+    per layer, or one per KV head (`per_head`, compressed-tensors' "attn_head"); with `query`, the
+    query too (after the rotary embedding), one scale per layer (exported as ``q_scale``, which
+    vLLM's FP8 attention kernels read). Append it to any preset; it sets only the attention
+    modules' quantizers.
 
     Example:
         >>> cfg = tq.configs.int4_weight_only().with_rules(tq.configs.fp8_kv_cache())   # W4A16 + FP8 KV
     """
     q = Float8Quantizer(Format.E4M3, Granularity.ROWWISE if per_head else Granularity.TENSORWISE)
-    return QuantRule(key=q, value=q)
+    return QuantRule(key=q, value=q, query=Float8Quantizer(Format.E4M3) if query else None)
 
 
 def mxfp8(*, ste: str = "clipped") -> QuantConfig:

@@ -1,10 +1,10 @@
 """KV-cache quantizers: the keys and values an attention module stores in its cache, fake-quantized.
 
 An attention unit is the attention module itself, converted in place like the other units (a
-generated ``FakeQuant<Class>``, `tqcompile.surgery.classes`) with two `TensorQuantizer` children,
-``key_quantizer`` and ``value_quantizer``. Rules set them through `QuantRule`'s ``key`` / ``value``
-slots (`tq.configs.kv_cache_fp8()`); an attention module none of whose KV quantizers a config
-enables is left as it is.
+generated ``FakeQuant<Class>``, `tqcompile.surgery.classes`) with three `TensorQuantizer` children,
+``query_quantizer``, ``key_quantizer`` and ``value_quantizer``. Rules set them through
+`QuantRule`'s ``query`` / ``key`` / ``value`` slots (`tq.configs.fp8_kv_cache()`); an attention
+module none of whose quantizers a config enables is left as it is.
 
 Which tensors: the keys after the rotary embedding and the values, as they enter the cache, which
 are what serving engines quantize (vLLM's ``k_scale`` / ``v_scale`` scale the cache writes). How
@@ -19,8 +19,18 @@ they are reached without editing the model's code:
   llmcompressor reaches the same point by a forward pre-hook that swaps the cache argument;
   replacing the module's class is how tq converts every unit (`tq.calibration.reattach`, pickling,
   undo on failure work unchanged), and keeps the model free of hooks under torch.compile.
+- The query (optional: vLLM's ``q_scale``, read by its FP8 attention kernels) after the rotary
+  embedding never passes the cache: it goes straight from the forward to the attention function,
+  which Hugging Face models look up by name, ``ALL_ATTENTION_FUNCTIONS.get_interface(
+  self.config._attn_implementation, eager_attention_forward)``. An attention whose query is
+  quantized reads, as ``self.config``, a view of the model's config (`_QueryTapConfig`) naming
+  `QUERY_TAP`, a function tq registers in transformers' ``AttentionInterface``: it fake-quantizes
+  the query and calls the model's own implementation (the config's, or the model file's
+  ``eager_attention_forward``). The model's config and every other module stay as they were, so
+  ``set_attn_implementation`` still chooses the kernel. (compressed-tensors reaches the query the
+  same way, but switches the whole model's implementation to its function.)
 - `nn.MultiheadAttention`: its forward is recomputed by `tqcompile.nn.attention`'s
-  `_mha_forward` (the one `tq.convert` uses) with float projections, and k and v fake-quantized
+  `_mha_forward` (the one `tq.convert` uses) with float projections, and q, k and v fake-quantized
   after the head split.
 
 Scaling units: a key or value tensor is (batch, kv_heads, tokens, head_dim). TENSORWISE gives one
@@ -34,29 +44,32 @@ granularity, keeps every rowwise path as it is: kernels, the static per-unit ama
 from __future__ import annotations
 
 import inspect
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tqcompile.calibration.config import KV_SLOTS
+from tqcompile.calibration.config import ATTENTION_SLOTS
 from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.nn.base import is_converted
 
-__all__ = ["ATTENTION_SLOTS", "KVLayout", "kv_layout", "AttentionQuantizers", "HEAD_DIM"]
+__all__ = ["ATTENTION_SLOTS", "KVLayout", "kv_layout", "AttentionQuantizers", "HEAD_DIM", "QUERY_TAP", "register_query_tap"]
 
-# The quantizer slots of an attention unit.
-ATTENTION_SLOTS = KV_SLOTS
-# The dim of a (batch, heads, tokens, head_dim) key or value that indexes the KV head.
+# The dim of a (batch, heads, tokens, head_dim) query, key or value that indexes the head.
 HEAD_DIM = 1
+# The name of tq's query tap in transformers' AttentionInterface (`_query_tap_attention`).
+QUERY_TAP = "tq_query_tap"
 
 
 class KVLayout:
-    """What a recognised attention module is: its number of KV heads and how its forward is reached."""
+    """What a recognised attention module is: its number of KV heads, how its forward is reached,
+    and (Hugging Face) the model file's eager attention function."""
 
-    def __init__(self, kv_heads: int, mixin: type, cache_arg: int | None = None):
-        self.kv_heads, self.mixin, self.cache_arg = kv_heads, mixin, cache_arg
+    def __init__(self, kv_heads: int, mixin: type, cache_arg: int | None = None, eager: Callable | None = None):
+        self.kv_heads, self.mixin, self.cache_arg, self.eager = kv_heads, mixin, cache_arg, eager
 
 
 def _hf_cache_arg(cls: type) -> int | None:
@@ -87,13 +100,17 @@ def kv_layout(module: nn.Module, cls: type | None = None) -> KVLayout | None:
     arg = _hf_cache_arg(cls)
     if not isinstance(heads, int) or arg is None:
         return None
-    return KVLayout(heads, _HFAttentionKV, arg)
+    # The default each model file's forward passes to get_interface: "eager" is no registered name.
+    eager = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    return KVLayout(heads, _HFAttentionKV, arg, eager)
 
 
 class AttentionQuantizers:
-    """Mixin of a fake-quantized attention module: it owns ``key_quantizer`` and ``value_quantizer``
-    (`TensorQuantizer`s of roles "key" and "value") and fake-quantizes what enters its KV cache."""
+    """Mixin of a fake-quantized attention module: it owns ``query_quantizer``, ``key_quantizer``
+    and ``value_quantizer`` (`TensorQuantizer`s of roles "query", "key" and "value"), fake-quantizes
+    what enters its KV cache and, where enabled, the query it attends with."""
 
+    query_quantizer: TensorQuantizer
     key_quantizer: TensorQuantizer
     value_quantizer: TensorQuantizer
     tq_mixin_first = True
@@ -102,6 +119,18 @@ class AttentionQuantizers:
 
     def quantizers(self) -> dict[str, TensorQuantizer]:
         return {s: getattr(self, f"{s}_quantizer") for s in ATTENTION_SLOTS}
+
+    def quantizes_query(self) -> bool:
+        # An attention pickled before the query slot existed has no query quantizer.
+        q = self._modules.get("query_quantizer")
+        return q is not None and q.enabled
+
+    def quantize_query(self, query: torch.Tensor) -> torch.Tensor:
+        """The (batch, heads, tokens, head_dim) query fake-quantized (or, while calibrating, recorded)."""
+        return self.query_quantizer(query, unit_dim=HEAD_DIM)
+
+    def quantize_qkv(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.quantize_query(query) if self.quantizes_query() else query), *self.quantize_kv(key, value)
 
     def quantize_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(key, value) of shape (batch, kv_heads, tokens, head_dim), each fake-quantized by its
@@ -131,11 +160,60 @@ class _CacheTap:
         return getattr(cache, name)
 
 
+class _QueryTapConfig:
+    """What a Hugging Face attention whose query is quantized reads as ``self.config``: the model's
+    config, except that its attention implementation is `QUERY_TAP`."""
+
+    _attn_implementation = QUERY_TAP
+
+    def __init__(self, config: Any):
+        self.tq_model_config = config
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["tq_model_config"], name)
+
+
+def _query_tap_attention(module: nn.Module, query: torch.Tensor, *args, **kwargs):
+    """`QUERY_TAP`: the query fake-quantized, then the attention the model's config names."""
+    implementation = module.__dict__["config"]._attn_implementation
+    if implementation == QUERY_TAP:  # a model whose config itself names the tap: no implementation to call
+        raise ValueError(f"{type(module).__name__}: the model's attn_implementation is {QUERY_TAP!r}; set it to its own (e.g. 'sdpa')")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, module.tq_eager_attention)
+    if attention is None:
+        raise ValueError(
+            f"{type(module).__name__}: attn_implementation {implementation!r} has no function here (its model file defines no "
+            "eager_attention_forward); choose a registered one, e.g. model.set_attn_implementation('sdpa')"
+        )
+    return attention(module, module.quantize_query(query), *args, **kwargs)
+
+
+def register_query_tap() -> None:
+    """Register `QUERY_TAP` in transformers' ``AttentionInterface`` (idempotent): the name the
+    attentions whose query tq quantizes look their attention function up by."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(QUERY_TAP, _query_tap_attention)
+
+
 class _HFAttentionKV(AttentionQuantizers):
-    """Hugging Face attention: the model's own forward, with the cache argument tapped."""
+    """Hugging Face attention: the model's own forward, with the cache argument tapped and, when
+    the query is quantized, the attention function (`_QueryTapConfig`)."""
 
     tq_cache_arg: int  # the positional index of past_key_values (`kv_layout`)
     tq_cache_tap: type = _CacheTap  # what the cache is tapped with (`tq.compress`'s stores FP8 codes)
+    tq_eager_attention: Callable | None  # the model file's eager_attention_forward (`kv_layout`)
+
+    # A data descriptor: found before the instance's own ``config`` (the model's), which it wraps.
+    @property
+    def config(self) -> Any:
+        config = self.__dict__["config"]
+        return _QueryTapConfig(config) if self.quantizes_query() else config
+
+    @config.setter
+    def config(self, value: Any) -> None:
+        self.__dict__["config"] = value
 
     def forward(self, *args, **kwargs):
         i, tap = self.tq_cache_arg, self.tq_cache_tap
@@ -168,7 +246,7 @@ class _MultiheadAttentionKV(AttentionQuantizers):
 
         return _mha_forward(
             self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal,
-            _float_projection, kv=self.quantize_kv,
+            _float_projection, qkv=self.quantize_qkv,
         )
 
 

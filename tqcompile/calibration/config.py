@@ -38,14 +38,18 @@ from typing import Any
 from torch import nn
 
 from tqcompile.formats import Format
-from tqcompile.quantizers import Float8Quantizer, Granularity, Quantizer
+from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.quantizers.base import quantizer_families
 
-__all__ = ["QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "KV_SLOTS", "register_module_type", "module_type_name"]
+__all__ = [
+    "QuantRule", "QuantConfig", "ConfigError", "STE_MODES", "SLOTS", "KV_SLOTS", "ATTENTION_SLOTS", "register_module_type", "module_type_name",
+]
 
 SLOTS = ("input", "weight", "output")
 # An attention module's KV-cache quantizers (`tqcompile.calibration.attention`).
 KV_SLOTS = ("key", "value")
+# An attention module's quantizers: the query's (optional, one scale per layer: vLLM's q_scale) and the KV cache's.
+ATTENTION_SLOTS = ("query", *KV_SLOTS)
 STE_MODES = ("clipped", "plain")
 
 # Classes that stand for one another in a rule: convert_sync_batchnorm turns any of them into a
@@ -95,14 +99,25 @@ def kv_quantizer_problem(q: Quantizer) -> str | None:
     (TENSORWISE) or per KV head (ROWWISE along the last dim), the caches engines load. vLLM 0.32's
     compressed-tensors loader takes num_bits 8, type float only; its ModelOpt loader FP8 only."""
     gran, axis, _ = q.layout()
-    ok = isinstance(q, Float8Quantizer) and q.format is Format.E4M3
-    if not ok or gran not in (Granularity.TENSORWISE, Granularity.ROWWISE):
+    # FP8 E4M3 under one fp32 scale per tensor or per row: asked of the quantizer, not of its class.
+    if not (q.scaled_mm_operand() and q.element_format() is Format.E4M3):
         return (
             "allowed: Float8Quantizer(E4M3), TENSORWISE (one scale per layer) or ROWWISE (one per KV head), "
             "as tq.configs.fp8_kv_cache() makes; no engine loads an INT8 or E5M2 KV cache from a checkpoint"
         )
     if gran is Granularity.ROWWISE and axis != -1:
         return "a per-head (ROWWISE) KV quantizer takes axis=-1: each KV head is one row of the cache"
+    return None
+
+
+def query_quantizer_problem(q: Quantizer) -> str | None:
+    """Why `q` cannot quantize an attention's query, or None: FP8 E4M3 with one static scale per
+    layer (TENSORWISE). vLLM 0.32 reads one ``q_scale`` per attention, a single float."""
+    if kv_quantizer_problem(q) is not None or q.layout()[0] is not Granularity.TENSORWISE:
+        return (
+            "allowed: Float8Quantizer(E4M3), TENSORWISE (one scale per layer), as tq.configs.fp8_kv_cache(query=True) makes: "
+            "vLLM reads one FP8 q_scale per attention"
+        )
     return None
 
 
@@ -129,8 +144,11 @@ class QuantRule:
         must_match: warn (naming the rule) when it matches no module of the model.
         key / value: the KV-cache quantizers of attention modules (keys after the rotary
             embedding and values, as they enter the cache; `tqcompile.calibration.attention`),
-            set as the other slots are. Attention modules have only these two slots, other
+            set as the other slots are. Attention modules have only these and `query`, other
             modules only input, weight and output: a rule's slots apply where the module has them.
+        query: an attention's query quantizer (the query after the rotary embedding, as the
+            attention computes with it), FP8 E4M3 per layer; only with key and value quantizers
+            (engines use a query scale with an FP8 KV cache only).
 
     Example:
         >>> QuantRule(name="*lm_head", input=False, weight=False, output=False)
@@ -145,6 +163,7 @@ class QuantRule:
     must_match: bool = True
     key: Quantizer | bool | None = None
     value: Quantizer | bool | None = None
+    query: Quantizer | bool | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None and not isinstance(self.name, str):
@@ -154,7 +173,7 @@ class QuantRule:
             raise ConfigError(
                 f"QuantRule: module_types={types!r} is not allowed; allowed: a tuple of nn.Module subclasses, e.g. (nn.Linear,)"
             )
-        for f in (*SLOTS, *KV_SLOTS):
+        for f in (*SLOTS, *ATTENTION_SLOTS):
             _check_slot(f, getattr(self, f))
             q = getattr(self, f)
             if f != "weight" and isinstance(q, Quantizer) and q.has_zero_point():
@@ -162,18 +181,19 @@ class QuantRule:
                     f"QuantRule: {f}={q!r} is not allowed; zero points (IntGrid.ASYMMETRIC) are for weights: quantize "
                     "activations and caches on IntGrid.FULL or SYMMETRIC"
                 )
-        for f in KV_SLOTS:
+        for f in ATTENTION_SLOTS:
             q = getattr(self, f)
-            problem = kv_quantizer_problem(q) if isinstance(q, Quantizer) else None
+            problem = None if not isinstance(q, Quantizer) else query_quantizer_problem(q) if f == "query" else kv_quantizer_problem(q)
             if problem:
-                raise ConfigError(f"QuantRule: {f}={q!r} is not allowed as a KV-cache quantizer; {problem}")
+                what = "a query" if f == "query" else "a KV-cache"
+                raise ConfigError(f"QuantRule: {f}={q!r} is not allowed as {what} quantizer; {problem}")
         if not isinstance(self.must_match, bool):
             raise ConfigError(f"QuantRule: must_match={self.must_match!r} is not allowed; allowed: True or False")
 
     @classmethod
     def disable(cls, name: str | None = None, module_types: tuple[type, ...] = (), *, must_match: bool = True) -> QuantRule:
-        """A rule that disables every quantizer of the modules it matches (an attention's KV cache included)."""
-        return cls(name, module_types, False, False, False, must_match, key=False, value=False)
+        """A rule that disables every quantizer of the modules it matches (an attention's query and KV cache included)."""
+        return cls(name, module_types, False, False, False, must_match, key=False, value=False, query=False)
 
     def matches(self, canonical_name: str, module: nn.Module) -> bool:
         """True when this rule applies to `module`, named `canonical_name` (wrapper prefixes removed).
@@ -205,6 +225,7 @@ class QuantRule:
             **{f: _slot_to_dict(getattr(self, f)) for f in SLOTS},
             "must_match": self.must_match,
             **{f: _slot_to_dict(getattr(self, f)) for f in KV_SLOTS},
+            "query": _slot_to_dict(self.query),
         }
 
     @classmethod
@@ -213,11 +234,11 @@ class QuantRule:
         classes (`register_module_type`), never by import."""
         if not isinstance(d, dict):
             raise ConfigError(f"QuantRule.from_dict: expected a dict, got {type(d).__name__}")
-        unknown = set(d) - {"name", "module_types", *SLOTS, "must_match", *KV_SLOTS}
+        unknown = set(d) - {"name", "module_types", *SLOTS, "must_match", *ATTENTION_SLOTS}
         if unknown:
             raise ConfigError(
                 f"QuantRule.from_dict: unknown fields {sorted(unknown)}; allowed: name, module_types, input, weight, output, "
-                "must_match, key, value"
+                "must_match, key, value, query"
             )
         known = _known_classes(module_types)
         names = d.get("module_types", ())
@@ -228,7 +249,7 @@ class QuantRule:
             tuple(_resolve_class(n, known) for n in names),
             **{f: _slot_from_dict(f, d.get(f)) for f in SLOTS},
             must_match=d.get("must_match", True),
-            **{f: _slot_from_dict(f, d.get(f)) for f in KV_SLOTS},
+            **{f: _slot_from_dict(f, d.get(f)) for f in ATTENTION_SLOTS},  # a rule saved before the query slot has none
         )
 
 
@@ -271,8 +292,8 @@ class QuantConfig:
         return dataclasses.replace(self, rules=self.rules + tuple(rules))
 
     def resolve(self, canonical_name: str, module: nn.Module) -> dict[str, Quantizer | None]:
-        """The quantizer of each slot (input, weight, output, key, value) for one module (None: disabled)."""
-        out: dict[str, Quantizer | None] = dict.fromkeys((*SLOTS, *KV_SLOTS))
+        """The quantizer of each slot (input, weight, output, query, key, value) for one module (None: disabled)."""
+        out: dict[str, Quantizer | None] = dict.fromkeys((*SLOTS, *ATTENTION_SLOTS))
         for rule in self.rules:
             if rule.matches(canonical_name, module):
                 for f in out:

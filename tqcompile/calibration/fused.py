@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tqcompile.engines import FUSED_SIBLINGS, fused_family  # FUSED_SIBLINGS re-exported: its home is tqcompile.engines
-from tqcompile.quantizers import NVFP4Quantizer, Quantizer
+from tqcompile.quantizers import Quantizer
 
 __all__ = ["FUSED_SIBLINGS", "fused_nvfp4_groups", "shared_amax", "share_fused_weight_amax"]
 
@@ -39,12 +39,14 @@ T = TypeVar("T")
 def fused_nvfp4_groups(items: Iterable[tuple[str, T]], quantizer_of: Callable[[T], Quantizer | None]) -> list[list[tuple[str, T]]]:
     """The groups of `items` ((canonical name, item) pairs) that an engine serves under one NVFP4
     global scale: two or more siblings of one `FUSED_SIBLINGS` family under one parent module, each
-    with ``quantizer_of(item)`` an `NVFP4Quantizer` (return None to leave an item out)."""
+    with ``quantizer_of(item)`` a quantizer with a global scale (NVFP4's, `Quantizer.has_global_scale`;
+    return None to leave an item out)."""
     families: dict[tuple[str, tuple[str, ...]], list[tuple[str, T]]] = {}
     for name, item in items:
         parent, _, leaf = name.rpartition(".")
         family = fused_family(leaf)
-        if family is not None and isinstance(quantizer_of(item), NVFP4Quantizer):
+        q = quantizer_of(item) if family is not None else None
+        if q is not None and q.has_global_scale():  # NVFP4's: a global scale above the block scales
             families.setdefault((parent, family), []).append((name, item))
     return [group for group in families.values() if len(group) > 1]
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tqcompile.calibration.attention import ATTENTION_MIXINS, ATTENTION_SLOTS, AttentionQuantizers, kv_layout
+from tqcompile.calibration.attention import ATTENTION_MIXINS, ATTENTION_SLOTS, AttentionQuantizers, kv_layout, register_query_tap
 from tqcompile.calibration.config import SLOTS, register_module_type
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_amax_kind
 from tqcompile.calibration.fused import FUSED_SIBLINGS  # re-exported: its home is fused.py
@@ -419,7 +419,9 @@ def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> 
             module.add_module(f"{slot}_quantizer", TensorQuantizer(quantizers.get(slot), slot, name, None, ste))
         layout = kv_layout(module, base_class(module))
         if layout.cache_arg is not None:
-            module.tq_cache_arg = layout.cache_arg
+            module.tq_cache_arg, module.tq_eager_attention = layout.cache_arg, layout.eager
+            if module.query_quantizer.enabled:
+                register_query_tap()
         swap_class(module)
         return
     experts = module.num_experts if kind_of(module)[0] in PER_EXPERT_KINDS else None

@@ -41,7 +41,7 @@ from torch import nn
 from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.attention import AttentionQuantizers
-from tqcompile.calibration.config import KV_SLOTS, SLOTS, ConfigError, QuantConfig
+from tqcompile.calibration.config import ATTENTION_SLOTS, SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer, static_weight_amax
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.layer_stats import WeightUndo
@@ -109,7 +109,13 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
         quantizers = config.resolve(name, module)
         if kind == "Attention":
             # Converted only where a rule enables its KV cache: a model without one keeps its attention as it was.
-            kv = {s: quantizers[s] for s in KV_SLOTS}
+            kv = {s: quantizers[s] for s in ATTENTION_SLOTS}
+            if kv["query"] is not None and not (kv["key"] and kv["value"]):
+                raise ConfigError(
+                    f"tq.calibrate: the config quantizes the query of {name!r} but not its keys and values; a query scale "
+                    "is what engines' FP8 attention reads beside an FP8 KV cache: add key and value quantizers "
+                    "(tq.configs.fp8_kv_cache(query=True))"
+                )
             if any(kv.values()):
                 planned.append(unit_decision(name, module, kv))
             continue
@@ -144,7 +150,7 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                 skipped.append(f"  {name} ({class_name(module)}): {note}")
                 quantizers["weight"] = None
         planned.append(unit_decision(name, module, quantizers, reason=note))
-    kv_rules = [r for r in config.rules if any(isinstance(getattr(r, f), Quantizer) for f in KV_SLOTS)]
+    kv_rules = [r for r in config.rules if any(isinstance(getattr(r, f), Quantizer) for f in ATTENTION_SLOTS)]
     if kv_rules and warn_unmatched and not any(kind_of(d.module)[0] == "Attention" for d in planned):
         warnings.warn(
             f"tq.calibrate: {kv_rules[0].describe()} quantizes the KV cache, but no attention module of the model takes "

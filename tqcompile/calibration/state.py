@@ -218,11 +218,13 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         if entry["kind"] != kind:
             raise ValueError(f"tq.restore: module {name!r} is a {kind} in the model but a {entry['kind']} in the state")
         slots = unit_slots(module)
+        # An attention saved before the query slot existed has none: its query stays unquantized.
+        entries = {s: entry.get(s, {"quantizer": None, "amax": None}) if s == "query" else entry[s] for s in slots}
         qs = {
-            s: None if entry[s]["quantizer"] is None else quantizer_from_dict(entry[s]["quantizer"], f"state[{name!r}].{s}")
+            s: None if entries[s]["quantizer"] is None else quantizer_from_dict(entries[s]["quantizer"], f"state[{name!r}].{s}")
             for s in slots
         }
-        amaxes = {s: _own_shard(entry[s]["amax"]) for s in slots}
+        amaxes = {s: _own_shard(entries[s]["amax"]) for s in slots}
         for s in slots:
             _check_amax(name, module, s, qs[s], amaxes[s])
         plan.append(unit_decision(name, module, (qs, amaxes)))
@@ -233,7 +235,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         for s, tq_ in d.module.quantizers().items():
             a = amaxes[s]
             tq_.set_amax(None if a is None else a.to(module_device(d.module)))
-            tq_.method = saved[d.name][s].get("method")
+            tq_.method = saved[d.name].get(s, {}).get("method")
 
     apply(plan, convert)  # everything checked: now change the model
     differed = share_fused_weight_amax([(d.name, d.module) for d in plan])
@@ -364,6 +366,7 @@ class SummaryRow:
     method: str = ""  # how a weight transform made the weight ("gptq", "awq+max", "smoothquant+gptq"); "" for none
     key: str = ""  # an attention's KV-cache quantizers; "" for other modules
     value: str = ""
+    query: str = ""  # an attention's query quantizer ("off" when only its KV cache is quantized)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,20 +379,24 @@ class QuantSummary:
         head = ("module", "class", "kind", "input", "weight", "output")
         with_method = any(r.method for r in self.rows)
         with_kv = any(r.key or r.value for r in self.rows)
+        with_query = any(r.query not in ("", "off") for r in self.rows)
         if with_method:
             head += ("method",)
         if with_kv:
             head += ("key", "value")
+        if with_query:
+            head += ("query",)
         cells = [head] + [
             (r.name or "<root>", r.module_class, r.kind, r.input, r.weight, r.output)
             + ((r.method or "-",) if with_method else ())
             + ((r.key or "-", r.value or "-") if with_kv else ())
+            + ((r.query or "-",) if with_query else ())
             for r in self.rows
         ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        enabled = sum(1 for r in self.rows for s in (r.input, r.weight, r.output, r.key, r.value) if s not in ("off", "-", ""))
+        enabled = sum(1 for r in self.rows for s in (r.input, r.weight, r.output, r.key, r.value, r.query) if s not in ("off", "-", ""))
         lines.append(f"{len(self.rows)} quantizable modules, {enabled} quantizers enabled")
         return "\n".join(lines)
 
@@ -414,7 +421,7 @@ def summary(model: nn.Module) -> QuantSummary:
             s: _describe(None if t.quantizer is None else OperandSpec(t.quantizer, t.amax)).replace("per-channel", "per-head")
             for s, t in module.quantizers().items()
         }
-        rows.append(SummaryRow(name, class_name(module), "Attention", "-", "-", "-", key=kv["key"], value=kv["value"]))
+        rows.append(SummaryRow(name, class_name(module), "Attention", "-", "-", "-", key=kv["key"], value=kv["value"], query=kv["query"]))
     if not rows:
         raise ValueError("tq.summary: the model has no fake-quantized module; run tq.calibrate or tq.restore first")
     return QuantSummary(tuple(rows))

@@ -90,8 +90,9 @@ class _ExpertsPacked(ExpertsRouting):
 
 @dataclasses.dataclass(frozen=True)
 class DeployedLayer:
-    """One layer of a compressed model: its name, kernel (`tqcompile.deploy.kernels.KERNELS`, or
-    "dequantized" for the float fallback), why, and the bytes its weight holds in memory."""
+    """One layer of a compressed model: its name, kernel (`tqcompile.deploy.kernels.KERNELS`,
+    "dequantized" for the float fallback, or "fp8 kv cache" for an attention), why, and the bytes
+    its weight holds in memory."""
 
     name: str
     kernel: str
@@ -258,10 +259,14 @@ def compress(model: nn.Module, *, fallback: str = "packed") -> nn.Module:
 
 
 def deployed_layers(model: nn.Module) -> list[DeployedLayer]:
-    """The packed layers of a compressed model: name, kernel, why, weight bytes in memory."""
+    """The packed layers of a compressed model: name, kernel, why, weight bytes in memory. A
+    compressed attention's row is its FP8 KV cache ("fp8 kv cache", 0 weight bytes: its
+    projections are rows of their own)."""
     rows = []
     for name, module in canonical_modules(model):
-        if isinstance(module, _LinearPacked):
+        if isinstance(module, _HFAttentionKV) and isinstance(module, PackedModule):
+            rows.append(DeployedLayer(name, module.tq_kernel, module.tq_kernel_reason, 0))
+        elif isinstance(module, _LinearPacked):
             rows.append(DeployedLayer(name, module.tq_kernel, module.tq_kernel_reason, _bytes(module.weight)))
         elif isinstance(module, _ExpertsPacked):
             for g in module.tq_experts_layout.gemms:

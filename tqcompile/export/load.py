@@ -39,7 +39,7 @@ from tqcompile.calibration.pipeline import CalibrationWarning, prepare
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format_for_method, known_layer_tensors
 from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
-from tqcompile.export.kv_cache import KV_TENSORS
+from tqcompile.export.kv_cache import KV_TENSORS, QUERY_QUANTIZER, QUERY_TENSOR
 from tqcompile.export.names import Placement, placements, put_placed
 from tqcompile.export.safetensors_io import dtype_name
 from tqcompile.export.scales import bad_values, scaled_amax
@@ -195,7 +195,8 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     units_by_key = _unit_by_weight_key(model)
     kv_q = fmt.kv_cache_quantizer(qc)
     kv, kv_inexact = _kv_cache(model, ckpt, kv_q)
-    checked = _precheck(model, ckpt, state, where, quantized, units_by_key, resolve, fmt, {f"{n}.{t}" for n in kv for t in KV_TENSORS.values()})
+    kv_names = {f"{n}.{t}" for n, amaxes in kv.items() for t in (*KV_TENSORS.values(), QUERY_TENSOR)[: len(amaxes)]}
+    checked = _precheck(model, ckpt, state, where, quantized, units_by_key, resolve, fmt, kv_names)
     # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
     # in place (memory holds the model and one layer, not a second copy of the model).
     units: list[tuple[nn.Module, _Unit]] = []
@@ -390,10 +391,11 @@ def _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, 
     return unit
 
 
-def _kv_cache(model: nn.Module, ckpt: CheckpointFiles, q: Quantizer | None) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
-    """({attention name: (key amax, value amax)}, how many scales have no exact amax) from the
-    checkpoint's KV-cache scales (`tqcompile.export.kv_cache`), every one checked: each attention
-    of the model has both, shaped as the scheme `q` says, finite and positive; none is left over."""
+def _kv_cache(model: nn.Module, ckpt: CheckpointFiles, q: Quantizer | None) -> tuple[dict[str, tuple[torch.Tensor, ...]], int]:
+    """({attention name: (key amax, value amax[, query amax])}, how many scales have no exact amax)
+    from the checkpoint's KV-cache scales (`tqcompile.export.kv_cache`), every one checked: each
+    attention of the model has both, shaped as the scheme `q` says, finite and positive; a query
+    scale (one per layer) in every attention or in none; none is left over."""
     held = {k.rpartition(".")[0] for k in ckpt.entries if k.endswith(tuple(f".{t}" for t in KV_TENSORS.values()))}
     if q is None:
         if held:
@@ -410,22 +412,32 @@ def _kv_cache(model: nn.Module, ckpt: CheckpointFiles, q: Quantizer | None) -> t
             f"tq.load_exported: the checkpoint quantizes the KV cache, but its scales do not match the model's attention modules: "
             f"attentions without k_scale/v_scale: {lacking or 'none'}; scales of no attention of the model: {strays or 'none'}"
         )
+    with_query = sorted(n for n in attentions if f"{n}.{QUERY_TENSOR}" in ckpt.entries)
+    if with_query and len(with_query) != len(attentions):
+        raise ExportError(
+            f"tq.load_exported: attention {with_query[0]!r} has a {QUERY_TENSOR} and "
+            f"{sorted(set(attentions) - set(with_query))[0]!r} has none; a query is quantized in every attention or in none"
+        )
     out, inexact = {}, 0
     for name, module in attentions.items():
-        want = static_amax_shape(module, "key", q)
+        scales = [(local, q, static_amax_shape(module, "key", q)) for local in KV_TENSORS.values()]
+        scales += [(QUERY_TENSOR, QUERY_QUANTIZER, ())] if with_query else []
         amaxes = []
-        for local in KV_TENSORS.values():
+        for local, scheme, want in scales:
             t = ckpt.get(f"{name}.{local}")
             if t is None:
                 raise ExportError(f"tq.load_exported: attention {name!r} lacks its {local}")
             n = 1 if not want else want[0]
             problem = (None if t.numel() == n else f"{t.numel()} values where the scheme has {n}") or bad_values(t, zero_ok=False)
             if problem:
-                raise ExportError(f"tq.load_exported: {name}.{local} holds {problem}; KV scales are finite and positive, one per layer or per KV head")
-            amax, more = scaled_amax(t.float().reshape(want), q)
+                raise ExportError(
+                    f"tq.load_exported: {name}.{local} holds {problem}; KV scales are finite and positive, one per layer or per KV "
+                    "head (q_scale: one per layer)"
+                )
+            amax, more = scaled_amax(t.float().reshape(want), scheme)
             amaxes.append(amax)
             inexact += more
-        out[name] = (amaxes[0], amaxes[1])
+        out[name] = tuple(amaxes)
     return out, inexact
 
 
@@ -435,12 +447,13 @@ def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]], kv_q: Quant
     per-tensor input (what `tq.export` writes for a training recipe's activations) keeps no amax:
     its scale comes from each input, as in the engines (calibration would have made it static)."""
     rules = tuple(QuantRule(name=u.name, input=u.scheme.input_q or False, weight=u.scheme.weight_q, output=False) for _, u in units)
-    rules += tuple(QuantRule(name=name, key=kv_q, value=kv_q) for name in kv or {})
+    kv = kv or {}
+    rules += tuple(QuantRule(name=name, key=kv_q, value=kv_q, query=QUERY_QUANTIZER if len(a) > 2 else None) for name, a in kv.items())
     prepare(model, QuantConfig(rules))
-    for name, (key_amax, value_amax) in (kv or {}).items():
+    for name, amaxes in kv.items():
         m = model.get_submodule(name)
-        m.key_quantizer.set_amax(key_amax.to(module_device(m)))
-        m.value_quantizer.set_amax(value_amax.to(module_device(m)))
+        for t, amax in zip((m.key_quantizer, m.value_quantizer, m.query_quantizer), amaxes):
+            t.set_amax(amax.to(module_device(m)))
     for _, u in units:
         m = model.get_submodule(u.name)
         device = module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m)

@@ -16,7 +16,7 @@ from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat
 from tqcompile.export.checks import ExportWarning, check_experts, check_fused, check_scales, extra_targets, shared_global_amax
 from tqcompile.export.families import pack_int32_words
 from tqcompile.export.files import Destination
-from tqcompile.export.kv_cache import kv_cache_units, kv_scale
+from tqcompile.export.kv_cache import QUERY_QUANTIZER, QUERY_TENSOR, kv_cache_units, kv_scale
 from tqcompile.export.names import Placement, is_hf_model, placements
 from tqcompile.export.readers import safetensors_reader
 from tqcompile.export.safetensors_io import ShardedWriter, parse_size
@@ -298,8 +298,8 @@ def _check_not_compressed(model: nn.Module) -> None:
     if packed:
         first = packed[0]
         raise ExportError(
-            f"tq.export: the model is compressed (tq.compress; layer {first.name!r} holds a packed weight for its "
-            f"{first.kernel} kernel); export the calibrated model before tq.compress, or load the checkpoint again "
+            f"tq.export: the model is compressed (tq.compress; layer {first.name!r} runs its {first.kernel} kernel, "
+            f"{first.reason}); export the calibrated model before tq.compress, or load the checkpoint again "
             "(tq.load_exported) and compress that"
         )
 
@@ -343,6 +343,9 @@ def _write_collectively(model, units, schemes, fmt, path, format, dtype, limit, 
         for u in kv_units:  # after the model's own tensors, as llmcompressor's checkpoints hold them
             for local, t in fmt.kv_cache_tensors(kv_q, kv_scale(u.key_amax, kv_q), kv_scale(u.value_amax, kv_q)).items():
                 run.emit(f"{u.name}.{local}", t)
+            if u.query_amax is not None:  # one per layer, shaped as the format's per-layer k_scale
+                q_scale = kv_scale(u.query_amax, QUERY_QUANTIZER)
+                run.emit(f"{u.name}.{QUERY_TENSOR}", fmt.kv_cache_tensors(QUERY_QUANTIZER, q_scale, q_scale)["k_scale"])
         ignored = _ignored(model, where, run.quantized, fmt.IGNORE_EXPERTS)
         targets = extra_targets(model, units)
 

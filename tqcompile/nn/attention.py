@@ -73,12 +73,12 @@ def _pad_key(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _mha_forward(
-    mha, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal, project, kv=None
+    mha, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal, project, qkv=None
 ):
     """`nn.MultiheadAttention.forward`'s semantics, with the in-projection computed by
-    `project(x, weight, bias, slot)` and the out-projection by calling `mha.out_proj`. `kv`:
-    ``kv(k, v) -> (k, v)`` on the (batch, heads, source, head_dim) keys and values attended to
-    (`tq.calibrate`'s KV-cache quantizers), or None."""
+    `project(x, weight, bias, slot)` and the out-projection by calling `mha.out_proj`. `qkv`:
+    ``qkv(q, k, v) -> (q, k, v)`` on the (batch, heads, tokens, head_dim) queries, keys and values
+    attended with (`tq.calibrate`'s attention quantizers), or None."""
     if query.is_nested or key.is_nested or value.is_nested:
         raise ValueError(
             "MultiheadAttention (converted by tq.convert): nested tensor inputs are not supported; pass a padded "
@@ -160,8 +160,8 @@ def _mha_forward(
         attn_mask, key_padding_mask = _pad_key(attn_mask), _pad_key(key_padding_mask)
     # (batch, heads, sequence, head_dim)
     q, k, v = (t.unflatten(-1, (h, hd)).transpose(1, 2) for t in (q, k, v))
-    if kv is not None:
-        k, v = kv(k, v)
+    if qkv is not None:
+        q, k, v = qkv(q, k, v)
     if mha.add_zero_attn:
         k = torch.cat([k, k.new_zeros(b, h, 1, hd)], dim=2)
         v = torch.cat([v, v.new_zeros(b, h, 1, hd)], dim=2)

@@ -1,0 +1,221 @@
+"""Perplexity with an FP8 KV cache, tq against llmcompressor 0.14's ``kv_cache_scheme`` on the same model and data.
+
+    PYTHONPATH=. python benchmarks/bench_kv_cache.py --llmc-python /path/to/llmc/bin/python [--json out.json]
+    PYTHONPATH=. python benchmarks/bench_kv_cache.py --llmc-python ... --quick    # smoke check: small model, 4 rows
+
+The model, its training, the data split, the calibration rows and the held-out windows are
+`bench_ptq_algorithms.py`'s (the same --workdir cache: a trained model there is reused), and so is
+the scoring (`ptq_eval.scores`: perplexity and KL from the float model). Per table row, in a fresh
+process each:
+
+- tq: loads the float model, ``tq.calibrate(model, config, forward_loop)`` (``max``; two rows ``mse``) with the row's
+  config, a preset or none with ``tq.configs.fp8_kv_cache(per_head=...)`` appended, and scores
+  the fake-quantized model (keys after the rotary embedding and values quantized as they enter the cache);
+- llmcompressor (`llmc_kv_worker.py` in --llmc-python): ``oneshot`` with a ``QuantizationModifier``
+  holding the row's weight scheme and ``kv_cache_scheme`` (FP8, static, strategy "tensor" or
+  "attn_head"); its compressed checkpoint loaded back with transformers, checked to hold
+  k_scale/v_scale and to change its logits when the attentions' quantization is turned off, and
+  scored (the model in memory right after ``oneshot`` is scored and checked too; both are in --json).
+  Its checkpoint is also read by ``tq.load_exported`` and scored in tq ("llmc ckpt in tq").
+
+Rows: FP8 KV per tensor and per head alone; W8A8 (``tq.configs.int8_dynamic()``; llmcompressor's
+W8A8 preset) and W4A16 g128 (``tq.configs.int4_weight_only()``; its W4A16 preset), each without and
+with FP8 KV per tensor and per head. Weights are round to nearest on both sides. Measured figures:
+docs/ptq.md, "Perplexity with an FP8 KV cache, against llmcompressor".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the sibling benchmark scripts, imported for their helpers
+
+from bench_export_memory import in_fresh_process  # noqa: E402
+from bench_ptq_algorithms import _cell_cost, _cell_difference, _cell_ppl, split_text, train, unigram_perplexity  # noqa: E402
+from ptq_eval import peak_rss_mib, scores, windows  # noqa: E402
+
+import tqcompile as tq  # noqa: E402
+
+# (label, weight preset or None, KV: None, "tensor" or "head", tq's algorithm, with an llmcompressor row)
+ROWS = (
+    ("FP8 KV per tensor", None, "tensor", "max", True),
+    ("FP8 KV per head", None, "head", "max", True),
+    ("FP8 KV per tensor, tq `mse`", None, "tensor", "mse", False),
+    ("FP8 KV per head, tq `mse`", None, "head", "mse", False),
+    ("W8A8", "w8a8", None, "max", True),
+    ("W8A8 + FP8 KV per tensor", "w8a8", "tensor", "max", True),
+    ("W8A8 + FP8 KV per head", "w8a8", "head", "max", True),
+    ("W4A16 g128", "w4a16", None, "max", True),
+    ("W4A16 g128 + FP8 KV per tensor", "w4a16", "tensor", "max", True),
+    ("W4A16 g128 + FP8 KV per head", "w4a16", "head", "max", True),
+)
+QUICK = {"FP8 KV per tensor", "FP8 KV per head", "FP8 KV per head, tq `mse`", "W4A16 g128 + FP8 KV per head"}
+
+FOOTNOTE = (
+    "Cells: held-out perplexity (KL from float, 10⁻³ nats). 'tq − llmc': tq's log perplexity minus llmcompressor's "
+    "(negative: tq lower), ± its standard error paired over the held-out windows. Both tools use their defaults: "
+    "tq's KV amax is the largest |k| (|v|) over all calibration rows ('max'); llmcompressor's 'minmax' observer "
+    "is a moving average (constant 0.01) of each row's amax. The llmc column is its reloaded checkpoint computed by "
+    "compressed-tensors in its own environment (checked to compute with its FP8 KV cache); 'llmc ckpt in tq' is that "
+    "checkpoint read by tq.load_exported (its weights and k/v scales) and computed by tq. W8A8 activations: tq per "
+    "token at amax/127 (vLLM's), compressed-tensors at amax/127.5. Times: each run's calibration wall seconds, "
+    "peak RSS the process's high-water mark after it (in brackets before it); the machine is shared, so times are noisy."
+)
+
+
+def tq_config(weights: str | None, kv: str | None):
+    """The row's tq config: the weight preset (or none) with the FP8 KV rule appended (or not)."""
+    base = {None: tq.calibration.QuantConfig(), "w8a8": tq.configs.int8_dynamic(), "w4a16": tq.configs.int4_weight_only()}[weights]
+    return base if kv is None else base.with_rules(tq.configs.fp8_kv_cache(per_head=kv == "head"))
+
+
+def llmc_recipe(weights: str | None, kv: str | None) -> str:
+    """The row's recipe name in `llmc_kv_worker.RECIPES`."""
+    parts = [weights] if weights else []
+    parts += [f"kv_{kv}"] if kv else []
+    return "_".join(parts)
+
+
+def _tq_run(model_dir: str, data_path: str, weights: str | None, kv: str | None, algorithm: str, threads: int, queue) -> None:
+    """In a fresh process: calibrate the float model with tq and score it; a result dict on `queue`."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        data = torch.load(data_path)
+        calib = data["calib"]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        rss_before = peak_rss_mib()
+        start = time.perf_counter()
+        with torch.no_grad():
+            tq.calibrate(model, tq_config(weights, kv), lambda m: [m(input_ids=calib[i : i + 8]) for i in range(0, calib.shape[0], 8)],
+                         algorithm=algorithm, progress=False)
+        seconds = time.perf_counter() - start
+        rss = peak_rss_mib()
+        amaxes = {}
+        for name, m in model.named_modules():
+            if hasattr(m, "key_quantizer") and m.key_quantizer.amax is not None:
+                amaxes[name] = {"key": m.key_quantizer.amax.flatten().tolist(), "value": m.value_quantizer.amax.flatten().tolist()}
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        queue.put({**scores(model, data["eval"], reference), "seconds": seconds, "peak_rss_mib": rss, "rss_before_mib": rss_before,
+                   "kv_amax": amaxes})
+    except Exception as e:  # noqa: BLE001 - a benchmark reports the failed row and goes on
+        queue.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+
+
+def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, workdir: Path, threads: int, reference) -> dict:
+    """llmcompressor's row in its own environment (llmc_kv_worker.py); then its checkpoint read by tq."""
+    out = workdir / f"llmc_kv_{recipe}"
+    result_path, log_path = out.with_suffix(".json"), out.with_suffix(".log")
+    result_path.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # llmcompressor's environment must not pick up this one's packages
+    cmd = [llmc_python, str(HERE / "llmc_kv_worker.py"), "--model", str(model_dir), "--data", str(data_path),
+           "--recipe", recipe, "--out", str(out), "--result", str(result_path), "--threads", str(threads)]
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    if not result_path.exists():
+        lines = [ln for ln in log_path.read_text().strip().splitlines() if ln.strip()]
+        return {"error": f"llmcompressor run exited with {proc.returncode}: {(lines or ['no output'])[-1][:200]} (log: {log_path})"}
+    result = json.loads(result_path.read_text())
+    try:
+        result["in_tq"] = scores(tq.load_exported(str(out)), torch.load(data_path)["eval"], reference)
+    except Exception as e:  # noqa: BLE001
+        result["in_tq_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return result
+
+
+def print_table(float_ppl: float, rows: list[dict]) -> None:
+    print("\n| config | tq | llmcompressor | tq − llmc, log ppl (10⁻³) | llmc ckpt in tq | tq time, peak RSS | llmc time, peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| float | {float_ppl:.4f} | {float_ppl:.4f} | | | | |")
+    for row in rows:
+        tq_r, llmc = row["tq"], row["llmc"]
+        in_tq = "" if llmc is None else _cell_ppl(llmc["in_tq"]) if "in_tq" in llmc else llmc.get("in_tq_error", "")
+        print(f"| {row['label']} | {_cell_ppl(tq_r)} | {_cell_ppl(llmc)} | {_cell_difference(tq_r, llmc)} | {in_tq} | "
+              f"{_cell_cost(tq_r)} | {_cell_cost(llmc)} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llmc-python", default=None, help="the python of a venv with llmcompressor 0.14 (none: tq columns only)")
+    p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tq_bench_ptq"), help="cache of the trained model and checkpoints")
+    p.add_argument("--steps", type=int, default=1600, help="training steps (batch 8 x 256 tokens)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run (default: torch's)")
+    p.add_argument("--calib", default="64x256", help="calibration rows x tokens")
+    p.add_argument("--quick", action="store_true", help="smoke check: 2 layers, 150 steps, 16x128 calibration, 4 rows")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+    begin = time.perf_counter()
+    torch.set_num_threads(args.threads)
+
+    n_calib, seq = (int(v) for v in args.calib.split("x"))
+    layers, steps = args.layers, args.steps
+    if args.quick:
+        layers, steps, n_calib, seq = 2, 150, 16, 128
+    workdir = Path(args.workdir) / ("quick" if args.quick else "full")
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = workdir / f"float_{layers}l_{steps}steps_seq{seq}"
+    train_ids, held_out = split_text()
+    if not (model_dir / "config.json").exists():
+        print(f"training the {layers}-layer Llama ({steps} steps of 8 x {seq} tokens) into {model_dir} ...", flush=True)
+        train(model_dir, train_ids, layers=layers, steps=steps, seq=seq)
+    train_s = float((model_dir / "train_seconds.txt").read_text())
+
+    # The calibration and held-out rows exactly as bench_ptq_algorithms.py picks them.
+    gen = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, train_ids.numel() - seq, (n_calib,), generator=gen).tolist()
+    calib = torch.stack([train_ids[s : s + seq] for s in starts])
+    eval_rows = windows(held_out, seq)[: 32 if args.quick else None]
+    data_path = workdir / "data_kv.pt"
+    torch.save({"calib": calib, "eval": eval_rows}, data_path)
+
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    float_ppl = scores(reference, eval_rows)["ppl"]
+    unigram = unigram_perplexity(train_ids, eval_rows)
+    print(f"model: {layers} layers, trained {steps} steps ({train_s:.0f} s when built); held-out {eval_rows.numel()} tokens; "
+          f"calibration {n_calib} x {seq} tokens; float perplexity {float_ppl:.3f}, unigram baseline {unigram:.3f}", flush=True)
+
+    rows = []
+    for label, weights, kv, algorithm, with_llmc in ROWS:
+        if args.quick and label not in QUICK:
+            continue
+        print(f"== {label}", flush=True)
+        tq_r = in_fresh_process(_tq_run, str(model_dir), str(data_path), weights, kv, algorithm, args.threads)
+        print(f"   tq   {tq_r}", flush=True)
+        llmc_r = None
+        if args.llmc_python and with_llmc:
+            llmc_r = _llmc_run(args.llmc_python, model_dir, data_path, llmc_recipe(weights, kv), workdir, args.threads, reference)
+            print(f"   llmc {llmc_r}", flush=True)
+        rows.append({"label": label, "weights": weights, "kv": kv, "tq": tq_r, "llmc": llmc_r})
+
+    print(f"\nModel: LlamaForCausalLM, {layers} layers, hidden 256, 4 query heads and 2 KV heads of 64, byte vocabulary; held-out "
+          f"perplexity (last 10% of pydoc_data.topics, {eval_rows.shape[0]} windows of {seq} bytes): float {float_ppl:.4f}, unigram "
+          f"baseline {unigram:.3f}. Calibration: the same {n_calib} windows of {seq} bytes for both tools. torch threads: {args.threads}.")
+    print_table(float_ppl, rows)
+    total = time.perf_counter() - begin
+    print(f"\n{FOOTNOTE}\n\nWhole run: {total:.0f} s (training, cached, took {train_s:.0f} s when built).")
+    if args.json:
+        meta = {"layers": layers, "steps": steps, "calib": [n_calib, seq], "eval_tokens": eval_rows.numel(), "float_ppl": float_ppl,
+                "unigram_ppl": unigram, "train_seconds": train_s, "threads": args.threads, "total_seconds": total, "torch": torch.__version__}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
