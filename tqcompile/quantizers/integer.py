@@ -92,6 +92,8 @@ class IntQuantizer(Quantizer):
 
     def __setstate__(self, state) -> None:
         # A quantizer pickled before `grid` existed holds one value fewer: it quantized on SYMMETRIC.
+        # (Setting fields of the frozen dataclass here is its construction, as the dataclass's own
+        # __setstate__ does: nobody holds the object yet.)
         names = [f.name for f in dataclasses.fields(self)]
         values = dict(zip(names, state))
         for f in dataclasses.fields(self):
@@ -140,12 +142,10 @@ class IntQuantizer(Quantizer):
         if not self.has_zero_point():
             v, scale_inv = amax_scaled(xf, self.layout(), amax, self.scale_max(), self.amax_epsilon)
             return codec.pack(codec.encode(v, lo, hi)), scale_inv
-        ext = self.reference_unit_amax(xf) if amax is None else amax.float()
-        scale = scale_from_amax(ext[..., 0] + ext[..., 1], self.scale_max(), self.amax_epsilon, False)
-        zero = (lo + ext[..., 0] * scale).round().clamp(lo, hi)
+        scale, scale_inv, zero = self.reference_unit_scales(self.reference_unit_amax(xf) if amax is None else amax)
         layout = self.layout()
         v = torch.nan_to_num(xf, nan=0.0) * geometry.expand(scale, xf.shape, layout) + geometry.expand(zero, xf.shape, layout)
-        return codec.pack(codec.encode(v, lo, hi)), torch.stack([1.0 / scale, zero], -1)
+        return codec.pack(codec.encode(v, lo, hi)), torch.stack([scale_inv, zero], -1)
 
     def reference_unit_scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(scale, scale_inv, zero_point or None) of static per-unit amaxes, as `reference_quantize`
