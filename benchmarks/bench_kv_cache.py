@@ -31,7 +31,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -42,8 +41,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling benchmark scripts, imported for their helpers
 
 from bench_export_memory import in_fresh_process  # noqa: E402
-from bench_ptq_algorithms import _cell_cost, _cell_difference, _cell_ppl, split_text, train, unigram_perplexity  # noqa: E402
-from ptq_eval import peak_rss_mib, scores, windows  # noqa: E402
+from bench_ptq_algorithms import _cell_cost, _cell_difference, _cell_ppl, add_anchor_args, anchor  # noqa: E402
+from ptq_eval import peak_rss_mib, scores  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
 
@@ -151,46 +150,12 @@ def print_table(float_ppl: float, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--llmc-python", default=None, help="the python of a venv with llmcompressor 0.14 (none: tq columns only)")
-    p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tq_bench_ptq"), help="cache of the trained model and checkpoints")
-    p.add_argument("--steps", type=int, default=1600, help="training steps (batch 8 x 256 tokens)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run (default: torch's)")
-    p.add_argument("--calib", default="64x256", help="calibration rows x tokens")
-    p.add_argument("--quick", action="store_true", help="smoke check: 2 layers, 150 steps, 16x128 calibration, 4 rows")
-    p.add_argument("--json", default=None, help="also write the results here")
+    add_anchor_args(p)  # the calibration and held-out rows exactly as bench_ptq_algorithms.py picks them
     args = p.parse_args()
     begin = time.perf_counter()
-    torch.set_num_threads(args.threads)
-
-    n_calib, seq = (int(v) for v in args.calib.split("x"))
-    layers, steps = args.layers, args.steps
-    if args.quick:
-        layers, steps, n_calib, seq = 2, 150, 16, 128
-    workdir = Path(args.workdir) / ("quick" if args.quick else "full")
-    workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = workdir / f"float_{layers}l_{steps}steps_seq{seq}"
-    train_ids, held_out = split_text()
-    if not (model_dir / "config.json").exists():
-        print(f"training the {layers}-layer Llama ({steps} steps of 8 x {seq} tokens) into {model_dir} ...", flush=True)
-        train(model_dir, train_ids, layers=layers, steps=steps, seq=seq)
-    train_s = float((model_dir / "train_seconds.txt").read_text())
-
-    # The calibration and held-out rows exactly as bench_ptq_algorithms.py picks them.
-    gen = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, train_ids.numel() - seq, (n_calib,), generator=gen).tolist()
-    calib = torch.stack([train_ids[s : s + seq] for s in starts])
-    eval_rows = windows(held_out, seq)[: 32 if args.quick else None]
-    data_path = workdir / "data_kv.pt"
-    torch.save({"calib": calib, "eval": eval_rows}, data_path)
-
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    float_ppl = scores(reference, eval_rows)["ppl"]
-    unigram = unigram_perplexity(train_ids, eval_rows)
-    print(f"model: {layers} layers, trained {steps} steps ({train_s:.0f} s when built); held-out {eval_rows.numel()} tokens; "
-          f"calibration {n_calib} x {seq} tokens; float perplexity {float_ppl:.3f}, unigram baseline {unigram:.3f}", flush=True)
+    a = anchor(args, "data_kv.pt")
+    workdir, model_dir, data_path, eval_rows, reference = a["workdir"], a["model_dir"], a["data_path"], a["eval_rows"], a["reference"]
+    float_ppl, unigram, train_s, layers, steps, n_calib, seq = (a[k] for k in ("float_ppl", "unigram", "train_s", "layers", "steps", "n_calib", "seq"))
 
     rows = []
     for label, weights, kv, algorithm, with_llmc in ROWS:

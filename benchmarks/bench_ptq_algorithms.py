@@ -1,7 +1,7 @@
 """Perplexity of PTQ algorithms, tq against llmcompressor 0.14 on the same model and calibration data.
 
     PYTHONPATH=. python benchmarks/bench_ptq_algorithms.py --llmc-python /path/to/llmc/bin/python [--json out.json]
-    PYTHONPATH=. python benchmarks/bench_ptq_algorithms.py --llmc-python ... --quick    # smoke check: 4 rows, small model
+    PYTHONPATH=. python benchmarks/bench_ptq_algorithms.py --llmc-python ... --quick    # smoke check: 6 rows, small model
 
 llmcompressor 0.14 needs transformers <= 5.17, so it runs in its own environment (as in
 tests/data/llmcompressor/make_fixtures.py):
@@ -181,7 +181,7 @@ GRID_ROWS = (
     ("RTN (tq `max`; llmc QuantizationModifier)", "max", "rtn"),
     ("GPTQ", "gptq", "gptq"),
 )
-QUICK = {("int4", 128, "max"), ("int4", 128, "gptq"), ("w8a8", 0, "max"), ("w8a8", 0, ("smoothquant", "gptq"))}
+QUICK = {("int4", 128, "max"), ("int4", 128, "gptq"), ("int3", 128, "max"), ("int4_asym", 128, "max"), ("w8a8", 0, "max"), ("w8a8", 0, ("smoothquant", "gptq"))}
 # scheme -> (weight bits, asymmetric) of the llmcompressor side; None: no llmcompressor column.
 LLMC_SCHEMES = {"int4": (4, False), "int3": (3, False), "int4_asym": (4, True), "int4_symmetric": None, "w8a8": (8, False)}
 
@@ -311,20 +311,25 @@ def print_table(title: str, float_ppl: float, rows: list[dict]) -> None:
             print(f"\nn/a: tq {row['label']}: {row['tq']['na']}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_anchor_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of the anchor model and data (this benchmark's, and bench_kv_cache.py's)."""
     p.add_argument("--llmc-python", default=None, help="the python of a venv with llmcompressor 0.14 (none: tq columns only)")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tq_bench_ptq"), help="cache of the trained model and checkpoints")
     p.add_argument("--steps", type=int, default=1600, help="training steps (batch 8 x 256 tokens)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run (default: torch's)")
     p.add_argument("--calib", default="64x256", help="calibration rows x tokens")
-    p.add_argument("--quick", action="store_true", help="smoke check: 2 layers, 150 steps, 16x128 calibration, 4 rows")
+    p.add_argument("--quick", action="store_true", help="smoke check: 2 layers, 150 steps, 16x128 calibration, 6 rows")
     p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args()
-    begin = time.perf_counter()
-    torch.set_num_threads(args.threads)
 
+
+def anchor(args: argparse.Namespace, data_name: str = "data.pt") -> dict:
+    """The trained anchor model (trained once into the workdir), the calibration rows and held-out
+    windows (written to `data_name` there, for the fresh processes), the float reference and its
+    perplexity, the unigram baseline: what every table row is measured against."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
     n_calib, seq = (int(v) for v in args.calib.split("x"))
     layers, steps = args.layers, args.steps
     if args.quick:
@@ -342,16 +347,26 @@ def main() -> None:
     starts = torch.randint(0, train_ids.numel() - seq, (n_calib,), generator=gen).tolist()
     calib = torch.stack([train_ids[s : s + seq] for s in starts])
     eval_rows = windows(held_out, seq)[: 32 if args.quick else None]
-    data_path = workdir / "data.pt"
+    data_path = workdir / data_name
     torch.save({"calib": calib, "eval": eval_rows}, data_path)
-
-    from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     float_ppl = scores(reference, eval_rows)["ppl"]
     unigram = unigram_perplexity(train_ids, eval_rows)
     print(f"model: {layers} layers, trained {steps} steps ({train_s:.0f} s when built); held-out {eval_rows.numel()} tokens; "
           f"calibration {n_calib} x {seq} tokens; float perplexity {float_ppl:.3f}, unigram baseline {unigram:.3f}", flush=True)
+    return dict(workdir=workdir, model_dir=model_dir, data_path=data_path, eval_rows=eval_rows, reference=reference, float_ppl=float_ppl,
+                unigram=unigram, train_s=train_s, layers=layers, steps=steps, n_calib=n_calib, seq=seq)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_anchor_args(p)
+    args = p.parse_args()
+    begin = time.perf_counter()
+    a = anchor(args)
+    workdir, model_dir, data_path, eval_rows, reference = a["workdir"], a["model_dir"], a["data_path"], a["eval_rows"], a["reference"]
+    float_ppl, unigram, train_s, layers, steps, n_calib, seq = (a[k] for k in ("float_ppl", "unigram", "train_s", "layers", "steps", "n_calib", "seq"))
 
     tables = [
         ("INT4 weight-only, groups of 128", "int4", 128, INT4_ROWS),
