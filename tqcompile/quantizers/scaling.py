@@ -37,10 +37,11 @@ def scale_from_amax(amax: torch.Tensor, fmt_max: float, eps: float, power_of_two
     # torch.div, not `fmt_max / tensor`: Python's reflected division runs as reciprocal-then-multiply,
     # which rounds twice and is one ulp off the fp32 quotient (TE's __fdiv_rn) for about 1 amax in 4.
     scale = torch.div(fmt_max, amax.clamp(min=eps))
-    # At most the smallest normal fp32: INT2/INT3's top (1 to 3.5) over an amax near fp32's max is
-    # subnormal, and 1 / a subnormal scale overflows to Inf. Never reached by FP8, INT4 or INT8
-    # (448 / FP32_MAX, 7 / FP32_MAX are normal), so their scales are unchanged.
-    scale = scale.clamp(min=FP32_TINY)
+    # A subnormal scale is raised to the smallest normal fp32: INT2/INT3's top (1 to 3.5) over a
+    # finite amax near fp32's max is subnormal, and 1 / a subnormal scale overflows to Inf. FP8,
+    # INT4 and INT8 never get there from a finite amax (448 / FP32_MAX, 7 / FP32_MAX are normal);
+    # an infinite amax keeps its zero scale (what the Triton kernels give too).
+    scale = torch.where(scale > 0, scale.clamp(min=FP32_TINY), scale)
     return pow2_floor(scale) if power_of_two else scale
 
 

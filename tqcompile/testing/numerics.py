@@ -241,7 +241,7 @@ def _mx_exponent(amax: torch.Tensor, q: MXQuantizer) -> torch.Tensor:
 
 def _fp32_scale(fmt_max: float, amax: torch.Tensor, eps: float, power_of_two: bool) -> torch.Tensor:
     scale = torch.tensor(fmt_max, dtype=torch.float32) / amax.float().clamp(min=eps)
-    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # never subnormal (docs/numerics/int.md)
+    scale = torch.where(scale > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), scale)  # never subnormal (docs/numerics/int.md)
     if power_of_two:
         _, exp = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), exp - 1)
