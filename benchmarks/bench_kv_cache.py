@@ -32,7 +32,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -41,8 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling benchmark scripts, imported for their helpers
 
 from bench_export_memory import in_fresh_process  # noqa: E402
-from bench_ptq_algorithms import _cell_cost, _cell_difference, _cell_ppl, add_anchor_args, anchor  # noqa: E402
-from ptq_eval import peak_rss_mib, scores  # noqa: E402
+from bench_ptq_algorithms import _cell_cost, _cell_difference, _cell_ppl, add_anchor_args, anchor, tq_run  # noqa: E402
+from ptq_eval import scores  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
 
@@ -86,33 +85,13 @@ def llmc_recipe(weights: str | None, kv: str | None) -> str:
     return "_".join(parts)
 
 
-def _tq_run(model_dir: str, data_path: str, weights: str | None, kv: str | None, algorithm: str, threads: int, queue) -> None:
-    """In a fresh process: calibrate the float model with tq and score it; a result dict on `queue`."""
-    try:
-        from transformers import AutoModelForCausalLM
-
-        torch.set_num_threads(threads)
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        data = torch.load(data_path)
-        calib = data["calib"]
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        rss_before = peak_rss_mib()
-        start = time.perf_counter()
-        with torch.no_grad():
-            tq.calibrate(model, tq_config(weights, kv), lambda m: [m(input_ids=calib[i : i + 8]) for i in range(0, calib.shape[0], 8)],
-                         algorithm=algorithm, progress=False)
-        seconds = time.perf_counter() - start
-        rss = peak_rss_mib()
-        amaxes = {}
-        for name, m in model.named_modules():
-            if hasattr(m, "key_quantizer") and m.key_quantizer.amax is not None:
-                amaxes[name] = {"key": m.key_quantizer.amax.flatten().tolist(), "value": m.value_quantizer.amax.flatten().tolist()}
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        queue.put({**scores(model, data["eval"], reference), "seconds": seconds, "peak_rss_mib": rss, "rss_before_mib": rss_before,
-                   "kv_amax": amaxes})
-    except Exception as e:  # noqa: BLE001 - a benchmark reports the failed row and goes on
-        queue.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+def kv_amaxes(model) -> dict:
+    """The calibrated key and value amaxes of every quantized attention (the run's result gets them)."""
+    amaxes = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "key_quantizer") and m.key_quantizer.amax is not None:
+            amaxes[name] = {"key": m.key_quantizer.amax.flatten().tolist(), "value": m.value_quantizer.amax.flatten().tolist()}
+    return {"kv_amax": amaxes}
 
 
 def _llmc_run(llmc_python: str, model_dir: Path, data_path: Path, recipe: str, workdir: Path, threads: int, reference) -> dict:
@@ -162,7 +141,7 @@ def main() -> None:
         if args.quick and label not in QUICK:
             continue
         print(f"== {label}", flush=True)
-        tq_r = in_fresh_process(_tq_run, str(model_dir), str(data_path), weights, kv, algorithm, args.threads)
+        tq_r = in_fresh_process(tq_run, str(model_dir), str(data_path), tq_config(weights, kv), algorithm, args.threads, kv_amaxes)
         print(f"   tq   {tq_r}", flush=True)
         llmc_r = None
         if args.llmc_python and with_llmc:

@@ -202,9 +202,10 @@ def tq_config(scheme: str, group: int):
     return tq.configs.int8_dynamic()
 
 
-def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, threads: int, queue) -> None:
-    """In a fresh process: calibrate the float model with tq and score it; a result dict on `queue`
-    (never nothing: the parent waits on it)."""
+def tq_run(model_dir: str, data_path: str, config, algorithm, threads: int, extra, queue) -> None:
+    """In a fresh process: calibrate the float model with tq's `config` and score it; a result dict
+    on `queue` (never nothing: the parent waits on it). `extra(model)`, where not None: more entries
+    for it (a module-level function: it crosses to the spawned process)."""
     try:
         from transformers import AutoModelForCausalLM
 
@@ -220,7 +221,7 @@ def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, 
             with torch.no_grad():
                 tq.calibrate(
                     model,
-                    tq_config(scheme, group),
+                    config,
                     lambda m: [m(input_ids=calib[i : i + 8]) for i in range(0, calib.shape[0], 8)],
                     algorithm=algorithm,
                     progress=False,
@@ -233,8 +234,9 @@ def _tq_run(model_dir: str, data_path: str, scheme: str, group: int, algorithm, 
             return
         seconds = time.perf_counter() - start
         rss = peak_rss_mib()
+        more = {} if extra is None else extra(model)
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        queue.put({**scores(model, data["eval"], reference), "seconds": seconds, "peak_rss_mib": rss, "rss_before_mib": rss_before})
+        queue.put({**scores(model, data["eval"], reference), "seconds": seconds, "peak_rss_mib": rss, "rss_before_mib": rss_before, **more})
     except Exception as e:  # noqa: BLE001 - a benchmark reports the failed row and goes on
         queue.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
 
@@ -383,7 +385,7 @@ def main() -> None:
             if args.quick and (scheme, group, algorithm) not in QUICK:
                 continue
             print(f"== {title}: {label}", flush=True)
-            tq_r = in_fresh_process(_tq_run, str(model_dir), str(data_path), scheme, group, algorithm, args.threads)
+            tq_r = in_fresh_process(tq_run, str(model_dir), str(data_path), tq_config(scheme, group), algorithm, args.threads, None)
             print(f"   tq   {tq_r}", flush=True)
             llmc_r = None
             if args.llmc_python and recipe is not None and LLMC_SCHEMES[scheme] is not None:
