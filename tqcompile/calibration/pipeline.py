@@ -30,6 +30,7 @@ of theirs, whatever the algorithm (`tqcompile.calibration.fused`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -65,6 +66,7 @@ from tqcompile.calibration.modules import (
 from tqcompile.calibration.passes import CalibrationWarning
 from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
+from tqcompile.calibration.replay import StreamCache
 from tqcompile.calibration.transforms import run_transforms
 from tqcompile.quantizers import Granularity, Quantizer, geometry
 from tqcompile.surgery.checks import check_not_meta, check_not_sharded
@@ -211,6 +213,8 @@ def calibrate(
     amax_groups: Sequence[dist.ProcessGroup] = (),
     progress: bool = True,
     sequential: bool = True,
+    cache_bytes: int | None = None,
+    cache_dir: str | None = None,
 ) -> nn.Module:
     """Convert `model` in place to fake-quantized modules and calibrate their static amaxes.
 
@@ -247,6 +251,10 @@ def calibrate(
             whatever the depth; `tqcompile.calibration.replay`), or, where the model does not hand
             each layer's output to the next, one pass per layer. False: one pass for the whole
             model (every layer's Hessian at once; later layers see the float model's inputs).
+        cache_bytes: the bound on the decoder layers' cached inputs held in memory while replaying
+            (bytes; None: no bound). Batches beyond it are written to files in `cache_dir` (a
+            temporary directory by default), read back memory-mapped, and removed at the end.
+        cache_dir: where those files go.
 
     Returns:
         `model`, fake-quantized: it now computes ``dequantize(quantize(x))`` at every enabled
@@ -256,6 +264,7 @@ def calibrate(
         >>> tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in batches])
     """
     groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
+    StreamCache(cache_bytes, cache_dir)  # refuses a bad bound before anything changes
     if not isinstance(sequential, bool):
         raise ValueError(f"tq.calibrate: sequential={sequential!r} is not allowed; allowed: True or False")
     check_not_meta(
@@ -264,27 +273,22 @@ def calibrate(
         "calibration runs data through the real weights: materialize them first, e.g. model.to_empty(device='cpu') "
         "then model.load_state_dict(weights), or load the model without device_map='meta'",
     )
-    planned = _to_convert(plan(model, config))
+    planned = to_convert(plan(model, config))
     _warn_training(model)
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
     undo, surgery = WeightUndo(), Undo()
     buffers = list(model.buffers())
     try:
         surgery = apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
-        tqs = _quantizers(planned)
+        tqs = quantizers_of(planned)
         for t in tqs:
             t.calibrating = True
         methods, fixed = {}, {}
         if algo.transforms:
             # First, while the quantizers only record shapes: the activation amaxes below must see the final weights.
-            methods, fixed = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo)
-        for p in planned:
-            for t in p.module.quantizers().values():
-                if t.role != "weight" and t.static_kind is not None:
-                    # Every rank holds every statistic, seen or not (-1: no data yet), so the
-                    # reductions line up across ranks whatever data each one got.
-                    shape = static_amax_shape(p.module, t.role, t.quantizer)
-                    t.stat_max = torch.full(shape, -1.0, device=module_device(p.module))
+            new_cache = functools.partial(StreamCache, cache_bytes, cache_dir)
+            methods, fixed = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo, new_cache)
+        start_activation_stats(planned)
         search = algo.scale_search
         if forward_loop is None:
             _check_data_free(planned)
@@ -300,13 +304,10 @@ def calibrate(
             )
         _reduce([t.stat_max for t in tqs if t.stat_max is not None], groups)
         if search != "max":
-            hist_tqs = [t for t in tqs if _uses_histogram(t)]
-            for t in hist_tqs:
-                t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
-                t.hist = torch.zeros(t.stat_max.numel(), HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
+            hist_tqs = start_histograms(tqs)
             _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
             _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
-        _finalize(planned, search, percentile, groups, methods, fixed)
+        finalize(planned, search, percentile, groups, methods, fixed)
     except BaseException:
         undo.restore()
         surgery.undo()
@@ -338,7 +339,7 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"tq.calibration.prepare: config must be a QuantConfig, got {type(config).__name__}")
-    planned = _to_convert(plan(model, config))
+    planned = to_convert(plan(model, config))
     apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
     for p in planned:
         m = p.module
@@ -372,11 +373,32 @@ def _warn_training(model: nn.Module) -> None:
         )
 
 
-def _to_convert(decisions: list[Decision]) -> list[Decision]:
+def start_activation_stats(planned: list[Decision]) -> None:
+    """Every static activation amax of the planned units starts recording its running max."""
+    for p in planned:
+        for t in p.module.quantizers().values():
+            if t.role != "weight" and t.static_kind is not None:
+                # Every rank holds every statistic, seen or not (-1: no data yet), so the
+                # reductions line up across ranks whatever data each one got.
+                shape = static_amax_shape(p.module, t.role, t.quantizer)
+                t.stat_max = torch.full(shape, -1.0, device=module_device(p.module))
+
+
+def start_histograms(tqs: list[TensorQuantizer]) -> list[TensorQuantizer]:
+    """The quantizers of `tqs` whose amax a histogram decides ("percentile", "mse"), each set to
+    fill one over [0, its recorded max] on the next pass."""
+    hist_tqs = [t for t in tqs if _uses_histogram(t)]
+    for t in hist_tqs:
+        t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
+        t.hist = torch.zeros(t.stat_max.numel(), HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
+    return hist_tqs
+
+
+def to_convert(decisions: list[Decision]) -> list[Decision]:
     return [d for d in decisions if d.action == "convert"]
 
 
-def _quantizers(planned: list[Decision]) -> list[TensorQuantizer]:
+def quantizers_of(planned: list[Decision]) -> list[TensorQuantizer]:
     return [q for p in planned for q in p.module.quantizers().values()]
 
 
@@ -420,7 +442,7 @@ def check_data_free(units: list[tuple[str, nn.Module]], who: str = "tq.calibrate
         )
 
 
-def _finalize(planned: list[Decision], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
+def finalize(planned: list[Decision], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
     """Turn statistics into amaxes. `fixed`: {id(unit): weight amax} a transform (GPTQ) chose, which
     the weight it rounded needs as it is; `methods`: {id(unit): how its weight was rounded}."""
     methods, fixed = methods or {}, fixed or {}

@@ -17,22 +17,92 @@ layers, a layer skipped), the chain falls back to whole-model passes, as before.
 cache argument is dropped while replaying (``past_key_values=None``, ``use_cache=False``): filling
 a cache does not change a full-sequence forward's output.
 
-The cached streams live in memory: one group's input per batch (batch x tokens x hidden in the
-model's dtype), replaced by its output as the chain advances.
+The cached streams (one group's input per batch: batch x tokens x hidden in the model's dtype,
+replaced by its output as the chain advances) live in a `StreamCache`: in memory up to a bound the
+user sets (``cache_bytes``), beyond it in files, read back memory-mapped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
+import shutil
+import tempfile
 
 import torch
 from torch import nn
 
 from tqcompile.surgery.names import canonical_modules
 
-__all__ = ["Chain", "chains", "capture", "replay", "first_output"]
+__all__ = ["Chain", "StreamCache", "chains", "capture", "replay", "first_output"]
 
 _CACHE_ARGS = {"past_key_values": None, "past_key_value": None, "use_cache": False, "layer_past": None}
+
+
+class StreamCache:
+    """The cached hidden-state inputs of the current layer, one per calibration batch: the first
+    ones in memory while their bytes stay within `max_bytes` (None: no bound, all in memory), the
+    rest each in a file of `directory` (a temporary directory, made when first needed), read back
+    memory-mapped, so resident memory holds the bound plus the batch being computed. A replaced
+    file is written beside the old one and renamed over it: a tensor still mapped from the old one
+    stays valid."""
+
+    def __init__(self, max_bytes: int | None = None, directory: str | None = None):
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"tq.calibrate: cache_bytes={max_bytes!r} is not allowed; allowed: None (no bound) or bytes >= 0 (int, or a string such as '2GB')")
+        self.max_bytes, self._parent = max_bytes, directory
+        self._held: list[torch.Tensor | None] = []  # in memory, or None: on disk
+        self._dir: str | None = None
+        self._bytes = 0
+        self._names = itertools.count()
+        self.spilled = 0  # batches written to disk (for reports and tests)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self)))
+
+    def _file(self, b: int) -> str:
+        return os.path.join(self._dir, f"batch-{b}.pt")
+
+    def _spill(self, b: int, t: torch.Tensor) -> None:
+        if self._dir is None:
+            if self._parent is not None:
+                os.makedirs(self._parent, exist_ok=True)
+            self._dir = tempfile.mkdtemp(prefix="tq-layer-inputs-", dir=self._parent)
+        tmp = os.path.join(self._dir, f".{next(self._names)}.tmp")
+        torch.save(t.detach().cpu().contiguous(), tmp)
+        os.replace(tmp, self._file(b))
+
+    def append(self, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if self.max_bytes is None or self._bytes + size <= self.max_bytes:
+            self._held.append(t)
+            self._bytes += size
+        else:
+            self._held.append(None)
+            self._spill(len(self._held) - 1, t)
+            self.spilled += 1
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        t = self._held[b]
+        return t if t is not None else torch.load(self._file(b), mmap=True, weights_only=True)
+
+    def __setitem__(self, b: int, t: torch.Tensor) -> None:
+        if self._held[b] is not None:
+            self._bytes += t.numel() * t.element_size() - self._held[b].numel() * self._held[b].element_size()
+            self._held[b] = t
+        else:
+            self._spill(b, t)
+
+    def close(self) -> None:
+        """Drop every batch and remove the files."""
+        self._held, self._bytes = [], 0
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
 
 @dataclasses.dataclass
@@ -43,7 +113,7 @@ class Chain:
 
     first: int
     modules: list[nn.Module]
-    streams: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    streams: StreamCache | list[torch.Tensor] = dataclasses.field(default_factory=list)
     calls: list[list[tuple[tuple, dict, bool]]] = dataclasses.field(default_factory=list)  # per layer, per batch
 
     @property
@@ -52,6 +122,8 @@ class Chain:
 
     def release(self) -> None:
         """Free the cached inputs (the chain's last layer is done)."""
+        if isinstance(self.streams, StreamCache):
+            self.streams.close()
         self.streams, self.calls = [], []
 
 
@@ -88,12 +160,13 @@ def _output_stream(out) -> torch.Tensor | None:
     return None
 
 
-def capture(chain: Chain, run_pass) -> bool:
-    """Run `run_pass()` (one pass of the user's loop) recording the chain's inputs; False (nothing
-    kept) where the model does not hand each layer's output to the next one unchanged."""
+def capture(chain: Chain, run_pass, streams: StreamCache | None = None) -> bool:
+    """Run `run_pass()` (one pass of the user's loop) recording the chain's inputs (the streams into
+    `streams`, a new unbounded `StreamCache` by default); False (nothing kept) where the model does
+    not hand each layer's output to the next one unchanged."""
     n = len(chain.modules)
     calls: list[list] = [[] for _ in range(n)]
-    streams: list[torch.Tensor] = []
+    streams = StreamCache() if streams is None else streams
     last_out: list = [None] * n
     ok = [True]
 
@@ -127,7 +200,8 @@ def capture(chain: Chain, run_pass) -> bool:
     finally:
         for h in handles:
             h.remove()
-    if not ok[0] or not streams or any(len(c) != len(streams) for c in calls):
+    if not ok[0] or not len(streams) or any(len(c) != len(streams) for c in calls):
+        streams.close()
         return False
     chain.streams, chain.calls = streams, calls
     return True

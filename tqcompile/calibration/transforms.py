@@ -50,7 +50,7 @@ from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_l
 from tqcompile.calibration.smoothing import smooth
 from tqcompile.surgery.names import canonical_modules, unwrap
 
-__all__ = ["run_transforms", "sequential_groups", "REPLAY"]
+__all__ = ["run_transforms", "run_group", "sequential_groups", "REPLAY"]
 
 # Run decoder-layer chains on cached inputs (`tqcompile.calibration.replay`); False: one pass of
 # forward_loop per group, as before (the tests compare the two).
@@ -81,9 +81,10 @@ def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[t
     return groups
 
 
-def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo):
+def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo, new_cache=replay.StreamCache):
     """Run `plan`'s weight transforms on the planned (converted, calibrating) units; returns
-    ({id(unit): method}, {id(unit): static weight amax fixed by GPTQ})."""
+    ({id(unit): method}, {id(unit): static weight amax fixed by GPTQ}). `new_cache()` makes the
+    `replay.StreamCache` a chain's cached inputs go to."""
     root = unwrap(model)
     names = {id(p.module): p.name for p in planned}
     units = [(p.name, p.module) for p in planned if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]
@@ -92,27 +93,31 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     groups = sequential_groups(model, units, sequential)
     by_first = {c.first: c for c in (replay.chains(model, [g for g, _ in groups]) if REPLAY and sequential else [])}
     chain = None
-    for i, (gname, members) in enumerate(groups):
-        desc = f"{plan.describe()}: group {i + 1}/{len(groups)} ({gname})"
-        chain = by_first.get(i, chain)
-        if chain is not None and i == chain.first:
-            # The chain's first layer: its statistics from the pass of forward_loop that captures the chain's inputs.
-            if not _first_of_chain(ctx, chain, members, desc):
-                chain = None  # the model does not hand each layer's output to the next: a pass per group
-        elif chain is not None and chain.first < i <= chain.last:
-            index = i - chain.first
-            ctx.fold_runner = functools.partial(replay.first_output, chain, index)
-            try:
-                _run_group(ctx, members, desc, functools.partial(replay.replay, chain, index, advance=False), chain.modules[index])
-            finally:
-                ctx.fold_runner = None
-            if i < chain.last:  # the next layer's inputs
-                replay.replay(chain, index, advance=True)
+    try:
+        for i, (gname, members) in enumerate(groups):
+            desc = f"{plan.describe()}: group {i + 1}/{len(groups)} ({gname})"
+            chain = by_first.get(i, chain)
+            if chain is not None and i == chain.first:
+                # The chain's first layer: its statistics from the pass of forward_loop that captures the chain's inputs.
+                if not _first_of_chain(ctx, chain, members, desc, new_cache()):
+                    chain = None  # the model does not hand each layer's output to the next: a pass per group
+            elif chain is not None and chain.first < i <= chain.last:
+                index = i - chain.first
+                ctx.fold_runner = functools.partial(replay.first_output, chain, index)
+                try:
+                    run_group(ctx, members, desc, functools.partial(replay.replay, chain, index, advance=False), chain.modules[index])
+                finally:
+                    ctx.fold_runner = None
+                if i < chain.last:  # the next layer's inputs
+                    replay.replay(chain, index, advance=True)
+                else:
+                    chain.release()
             else:
-                chain.release()
-        else:
-            _run_group(ctx, members, desc)
-        ctx.finished.update(id(input_module(u)) for u in members)
+                run_group(ctx, members, desc)
+            ctx.finished.update(id(input_module(u)) for u in members)
+    finally:  # a failure mid-chain: the cached inputs' files go too
+        for c in by_first.values():
+            c.release()
     if ctx.unsmoothed:
         warnings.warn(
             f"tq.calibrate: {type(plan.smoothing).__name__} left these layers unsmoothed, rounded without scales:\n"
@@ -129,19 +134,19 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     return {k: "+".join(v) for k, v in ctx.methods.items()}, ctx.amaxes
 
 
-def _first_of_chain(ctx: Context, chain, members: list, desc: str) -> bool:
+def _first_of_chain(ctx: Context, chain, members: list, desc: str, cache: replay.StreamCache) -> bool:
     """Run the group of the chain's first layer on one pass of forward_loop that also captures the
     chain's inputs (`replay.capture`), then hand its rounded outputs on; False where the capture
     found no hand-off (the group itself is done either way: its statistics came from a whole pass)."""
     captured = [False]
 
     def run_data():
-        captured[0] = replay.capture(chain, functools.partial(run_loop, ctx.model, ctx.forward_loop, members, desc, ctx.progress))
+        captured[0] = replay.capture(chain, functools.partial(run_loop, ctx.model, ctx.forward_loop, members, desc, ctx.progress), cache)
         if captured[0]:
             ctx.fold_runner = functools.partial(replay.first_output, chain, 0)
 
     try:
-        _run_group(ctx, members, desc, run_data, chain.modules[0])
+        run_group(ctx, members, desc, run_data, chain.modules[0])
     finally:
         ctx.fold_runner = None
     if captured[0]:
@@ -158,7 +163,7 @@ def _capture_probe(ctx: Context):
     return ctx.root.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.Module | None = None) -> None:
+def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.Module | None = None) -> None:
     """Collect the group's statistics by one pass of the data (`run_data`: the group's `layer` on its
     cached inputs, `tqcompile.calibration.replay`; None: the user's whole `forward_loop`), then
     transform and round its layers."""

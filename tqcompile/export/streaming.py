@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from tqcompile.calibration.algorithms import Algorithm, parse_algorithm
 from tqcompile.calibration.config import QuantConfig
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
 from tqcompile.calibration.pipeline import check_data_free, prepare, weight_amax
+from tqcompile.export.layerwise import calibrate_layerwise, check_batches, parameters_on_meta
 from tqcompile.export.readers import safetensors_reader, trim_heap
+from tqcompile.export.safetensors_io import parse_size
 from tqcompile.export.units import ExportError
 from tqcompile.export.writer import export
 from tqcompile.surgery.names import canonical_modules
@@ -32,7 +36,9 @@ from tqcompile.surgery.names import canonical_modules
 __all__ = ["quantize_checkpoint"]
 
 
-def _meta_model(path: str) -> nn.Module:
+def _meta_model(path: str, buffers: bool = False) -> nn.Module:
+    """The model of the checkpoint's config.json on the meta device (`buffers`: with its buffers
+    real, to run)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:  # pragma: no cover - transformers is installed wherever HF checkpoints are read
@@ -40,7 +46,7 @@ def _meta_model(path: str) -> nn.Module:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ExportError(f"tq.quantize_checkpoint: {path!r} has no config.json to build the model from; pass model= (built on the meta device)")
     config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
+    with parameters_on_meta() if buffers else torch.device("meta"):
         return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -60,24 +66,46 @@ def quantize_checkpoint(
     out: str,
     config: QuantConfig,
     *,
+    data: Sequence | None = None,
+    algorithm: str | Algorithm | Sequence[str | Algorithm] = "max",
+    percentile: float = 99.99,
     model: nn.Module | None = None,
     format: str = "compressed-tensors",
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    cache_bytes: int | str | None = None,
+    cache_dir: str | None = None,
+    progress: bool = True,
 ):
-    """Quantize the safetensors checkpoint in `path` (a `save_pretrained` directory) with the
-    data-free `config` and write the serving checkpoint to `out`, one tensor in memory at a time.
+    """Quantize the safetensors checkpoint in `path` (a `save_pretrained` directory) with `config`
+    and write the serving checkpoint to `out`, without loading the model: data-free, one tensor
+    in memory at a time; with calibration `data`, one decoder layer at a time
+    (`tqcompile.export.layerwise`).
 
     Args:
         path: the float checkpoint (its `config.json` builds the model on the meta device).
         out: the directory to write (as `tq.export`).
-        config: a `QuantConfig` whose quantizers need no data: weights (any preset's weight
-            quantizers), and activations only where their scales come from each input (dynamic:
-            `tq.configs.int8_dynamic()`, `int4_weight_only()`, MX). Static activation amaxes are
-            refused, naming the layers.
-        model: the model skeleton to use instead of building it from `config.json` (on the meta
-            device, as the checkpoint's state-dict names expect).
+        config: a `QuantConfig`. Without `data`, its quantizers must need none: weights (any
+            preset's weight quantizers), and activations only where their scales come from each
+            input (dynamic: `tq.configs.int8_dynamic()`, `int4_weight_only()`, MX); static
+            activation amaxes are refused, naming the layers.
+        data: the calibration batches, a list of token-id tensors (``model(batch)``) or of dicts
+            of the model's keyword arguments (``model(**batch)``). Each runs through the
+            embeddings once, then every decoder layer is calibrated on the cached inputs, read from
+            the checkpoint only for its turn: the same result as `tq.calibrate` of the loaded model
+            with ``lambda m: [m(b) for b in data]`` and the same `algorithm`.
+        algorithm, percentile: as `tq.calibrate` ("max" is the only one without `data`). Weight
+            transforms (GPTQ, AWQ, SmoothQuant) run on the decoder layers; a layer outside them that
+            one would transform (a quantized head) is refused by name.
+        model: the model skeleton to use instead of building it from `config.json`: its
+            parameters on the meta device, as the checkpoint's state-dict names expect (with
+            `data`, its buffers real: build it under `tqcompile.export.layerwise.parameters_on_meta()`).
+        cache_bytes, cache_dir: with `data`, the bound on the cached decoder-layer inputs held in
+            memory (bytes, or a string such as "4GB"; None: no bound); the rest go to files in
+            `cache_dir`. The weights a transform changed wait for the export in a scratch
+            directory in `cache_dir` (default: beside `out`), removed at the end.
+        progress: with `data`, a progress bar counting decoder layers.
         format, dtype, max_shard_size, overwrite: as `tq.export`.
 
     Returns:
@@ -86,6 +114,12 @@ def quantize_checkpoint(
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"tq.quantize_checkpoint: config must be a tq QuantConfig, got {type(config).__name__}")
+    algo = parse_algorithm(algorithm)
+    if data is not None:
+        return _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress,
+                          dict(format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
+    if algo.transforms or algo.scale_search != "max":
+        raise ValueError(f"tq.quantize_checkpoint: algorithm={algo.describe()!r} needs calibration data; pass data= (without it, 'max' only)")
     model = _meta_model(path) if model is None else model
     read = safetensors_reader(path, model)
     prepare(model, config)
@@ -103,3 +137,27 @@ def quantize_checkpoint(
         trim_heap()
     share_fused_weight_amax(units)  # NVFP4 q/k/v and gate/up: one global amax, as tq.calibrate gives them
     return export(model, out, format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, checkpoint=path)
+
+
+def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress, export_args):
+    batches = check_batches(data)
+    if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
+        raise ValueError(f"tq.quantize_checkpoint: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
+    bound = None if cache_bytes is None else parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
+    model = _meta_model(path, buffers=True) if model is None else model
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ExportError(
+            f"tq.quantize_checkpoint: the model's buffer {meta_buffers[0]!r} is on the meta device; running calibration data "
+            "needs real buffers: build the model under tqcompile.export.layerwise.parameters_on_meta() (parameters on meta, "
+            "buffers computed), or leave model= out"
+        )
+    scratch = cache_dir if cache_dir is not None else os.path.dirname(os.path.abspath(out))
+    overlay = calibrate_layerwise(
+        model, safetensors_reader(path, model), config, batches, algo, percentile,
+        scratch=scratch, cache_bytes=bound, cache_dir=cache_dir, progress=progress,
+    )
+    try:
+        return export(model, out, checkpoint=overlay.read, **export_args)
+    finally:
+        overlay.close()

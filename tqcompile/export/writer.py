@@ -122,7 +122,11 @@ def _from_rank0(outcome: ExportReport | BaseException | None) -> ExportReport:
 
 
 def _checkpoint_reader(checkpoint, model: nn.Module):
-    """The reader of a DCP checkpoint directory (its ``.metadata``), or of a safetensors one."""
+    """The reader of a DCP checkpoint directory (its ``.metadata``), or of a safetensors one; a
+    reader itself (``read(name, meta value)``: `tq.quantize_checkpoint`'s transformed weights over
+    the checkpoint's) as it is."""
+    if callable(checkpoint):
+        return checkpoint
     if os.path.isfile(os.path.join(str(checkpoint), ".metadata")):
         return _dcp_reader(checkpoint)
     return safetensors_reader(str(checkpoint), unwrap(model))
