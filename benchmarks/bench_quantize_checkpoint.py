@@ -2,6 +2,7 @@
 loaded) against loading it, `tq.calibrate(..., None)` and `tq.export`, at Llama-3-8B widths.
 
     PYTHONPATH=. python benchmarks/bench_quantize_checkpoint.py [--layers 4,8,16] [--in-memory 4,8]
+    PYTHONPATH=. python benchmarks/bench_quantize_checkpoint.py --algorithm gptq --data 4x256 --layers 2,4,8 --in-memory 2,4
 
 For each depth it writes a bfloat16 Llama checkpoint (hidden 4096, intermediate 14336, 32 heads,
 8 KV heads, vocabulary 32000, random weights) shard by shard, without holding the model (so the
@@ -10,6 +11,10 @@ groups of 128 (`tq.configs.int4_weight_only()`, data-free round to nearest) with
 `tq.quantize_checkpoint`, and, for the depths in --in-memory, the same through the loaded model.
 It prints the checkpoint's size, the output's size, the run's wall seconds and its peak RSS (the
 process high-water mark, `ru_maxrss`; imports included).
+
+With ``--algorithm gptq --data ROWSxTOKENS`` (or any `tq.calibrate` algorithm) both runs calibrate
+on that many random token rows (one batch a row): `tq.quantize_checkpoint(..., data=...)` reads one
+decoder layer at a time, the in-memory run loads the model and calls `tq.calibrate` with the rows.
 """
 
 from __future__ import annotations
@@ -79,16 +84,24 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _streamed(src: str, out: str, queue) -> None:
+def _rows(data: str | None) -> list[torch.Tensor] | None:
+    if not data:
+        return None
+    n, tokens = (int(v) for v in data.split("x"))
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, WIDTHS["vocab_size"], (1, tokens), generator=g) for _ in range(n)]
+
+
+def _streamed(src: str, out: str, algorithm: str, data: str | None, queue) -> None:
     import tqcompile as tq
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    tq.quantize_checkpoint(src, out, tq.configs.int4_weight_only(), overwrite=True)
+    tq.quantize_checkpoint(src, out, tq.configs.int4_weight_only(), data=_rows(data), algorithm=algorithm, overwrite=True, progress=False)
     queue.put({"seconds": time.perf_counter() - t0, "peak_mib": _peak_mib()})
 
 
-def _in_memory(src: str, out: str, queue) -> None:
+def _in_memory(src: str, out: str, algorithm: str, data: str | None, queue) -> None:
     import warnings
 
     from transformers import AutoModelForCausalLM
@@ -100,9 +113,48 @@ def _in_memory(src: str, out: str, queue) -> None:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tq.calibrate(model, tq.configs.int4_weight_only(), None, progress=False)
+        rows = _rows(data)
+        loop = None if rows is None else (lambda m: [m(r) for r in rows])
+        tq.calibrate(model, tq.configs.int4_weight_only(), loop, algorithm=algorithm, progress=False)
     tq.export(model, out, overwrite=True)
     queue.put({"seconds": time.perf_counter() - t0, "peak_mib": _peak_mib()})
+
+
+def run_llmc(src: str, out: str, data: str) -> dict:
+    """llmcompressor 0.14's GPTQ W4A16 (groups of 128) of the same checkpoint on the same rows, in
+    its own environment: load (bf16), `oneshot`, save compressed; peak RSS of the process."""
+    import tempfile
+
+    from bench_ptq_algorithms import byte_tokenizer  # oneshot insists on a processor when given a dataset
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    rows = torch.cat(_rows(data))
+    ds = Dataset.from_dict({"input_ids": rows.tolist(), "attention_mask": torch.ones_like(rows).tolist()})
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tok:
+        byte_tokenizer().save_pretrained(tok)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+        oneshot(model=model, dataset=ds, processor=tok, recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+                num_calibration_samples=rows.shape[0], max_seq_length=rows.shape[1], shuffle_calibration_samples=False)
+        model.save_pretrained(out, save_compressed=True)
+    return {"seconds": time.perf_counter() - t0, "peak_mib": _peak_mib()}
+
+
+def _llmc_child(python: str, src: str, out: str, data: str) -> dict:
+    import subprocess
+
+    code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import bench_quantize_checkpoint as b; "
+            f"print('@@' + json.dumps(b.run_llmc({src!r}, {out!r}, {data!r})))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("@@")), None)
+    if line is None:
+        raise RuntimeError(f"llmcompressor run failed: {(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}")
+    return json.loads(line[2:])
 
 
 def _bytes(path: str) -> int:
@@ -115,6 +167,9 @@ def main() -> None:
     p.add_argument("--in-memory", default="4,8", help="depths also run through the loaded model ('' for none)")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tq_bench_stream"))
     p.add_argument("--keep", action="store_true", help="keep the float checkpoints (they are rewritten otherwise each run)")
+    p.add_argument("--algorithm", default="max", help="tq.calibrate's algorithm (with --data for anything but 'max')")
+    p.add_argument("--data", default=None, help="calibration rows x tokens, e.g. 4x256 (default: data-free)")
+    p.add_argument("--llmc-python", default=None, help="with --algorithm gptq: also llmcompressor 0.14 (its venv's python)")
     args = p.parse_args()
     work = Path(args.workdir)
     in_memory = {int(v) for v in args.in_memory.split(",") if v}
@@ -124,18 +179,25 @@ def main() -> None:
         t0 = time.perf_counter()
         size = write_checkpoint(src, layers)
         print(f"{layers} layers: checkpoint {size / 2**30:.2f} GiB (written in {time.perf_counter() - t0:.0f} s)", flush=True)
-        for how, fn in (("tq.quantize_checkpoint", _streamed), ("load + calibrate + export", _in_memory)):
+        runs = [("tq.quantize_checkpoint", _streamed), ("load + calibrate + export", _in_memory)]
+        if args.llmc_python and args.algorithm == "gptq" and args.data:
+            runs.append(("llmcompressor 0.14 (load + oneshot + save)", None))
+        for how, fn in runs:
             if fn is _in_memory and layers not in in_memory:
                 continue
             out = str(work / f"out_{layers}l")
-            r = in_fresh_process(fn, str(src), out)
+            if fn is None:
+                r = _llmc_child(args.llmc_python, str(src), out, args.data)
+            else:
+                r = in_fresh_process(fn, str(src), out, args.algorithm, args.data)
             r.update(layers=layers, how=how, checkpoint_gib=size / 2**30, output_gib=_bytes(out) / 2**30)
             print(f"   {how}: {r}", flush=True)
             rows.append(r)
             shutil.rmtree(out, ignore_errors=True)
         if not args.keep:
             shutil.rmtree(src, ignore_errors=True)
-    print(f"\nINT4 weight-only g128 (data-free) of a bf16 Llama at Llama-3-8B widths, torch {torch.__version__}, "
+    how = "data-free" if not args.data else f"{args.algorithm}, {args.data} calibration tokens"
+    print(f"\nINT4 weight-only g128 ({how}) of a bf16 Llama at Llama-3-8B widths, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, one thread:\n")
     print("| layers | checkpoint GiB | how | output GiB | peak RSS MiB | seconds |")
     print("|---|---|---|---|---|---|")

@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tqcompile.calibration.algorithms import Algorithm, parse_algorithm
@@ -77,6 +78,7 @@ def quantize_checkpoint(
     cache_bytes: int | str | None = None,
     cache_dir: str | None = None,
     progress: bool = True,
+    amax_groups: Sequence[dist.ProcessGroup] = (),
 ):
     """Quantize the safetensors checkpoint in `path` (a `save_pretrained` directory) with `config`
     and write the serving checkpoint to `out`, without loading the model: data-free, one tensor
@@ -106,6 +108,11 @@ def quantize_checkpoint(
             `cache_dir`. The weights a transform changed wait for the export in a scratch
             directory in `cache_dir` (default: beside `out`), removed at the end.
         progress: with `data`, a progress bar counting decoder layers.
+        amax_groups: with `data`, data parallel: every rank of the first group calls with its own
+            share of the batches (and the same `path`, `out`, config), every statistic is reduced
+            over the groups as `tq.calibrate` reduces it, so each rank computes what one process
+            computes on the union of the data; the group's first rank writes `out` and returns the
+            report, the others return None (an error on the writing rank is raised on every rank).
         format, dtype, max_shard_size, overwrite: as `tq.export`.
 
     Returns:
@@ -116,7 +123,7 @@ def quantize_checkpoint(
         raise TypeError(f"tq.quantize_checkpoint: config must be a tq QuantConfig, got {type(config).__name__}")
     algo = parse_algorithm(algorithm)
     if data is not None:
-        return _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress,
+        return _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress, tuple(amax_groups),
                           dict(format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
     if algo.transforms or algo.scale_search != "max":
         raise ValueError(f"tq.quantize_checkpoint: algorithm={algo.describe()!r} needs calibration data; pass data= (without it, 'max' only)")
@@ -139,8 +146,11 @@ def quantize_checkpoint(
     return export(model, out, format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, checkpoint=path)
 
 
-def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress, export_args):
+def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress, groups, export_args):
     batches = check_batches(data)
+    for g in groups:
+        if not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"tq.quantize_checkpoint: amax_groups must hold torch.distributed ProcessGroups, got {type(g).__name__}")
     if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
         raise ValueError(f"tq.quantize_checkpoint: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
     bound = None if cache_bytes is None else parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
@@ -155,9 +165,22 @@ def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, ca
     scratch = cache_dir if cache_dir is not None else os.path.dirname(os.path.abspath(out))
     overlay = calibrate_layerwise(
         model, safetensors_reader(path, model), config, batches, algo, percentile,
-        scratch=scratch, cache_bytes=bound, cache_dir=cache_dir, progress=progress,
+        scratch=scratch, cache_bytes=bound, cache_dir=cache_dir, progress=progress, amax_groups=groups,
     )
+    writer = dist.get_global_rank(groups[0], 0) if groups else None
+    report, failure = None, None
     try:
-        return export(model, out, checkpoint=overlay.read, **export_args)
+        if writer is None or dist.get_rank() == writer:
+            report = export(model, out, checkpoint=overlay.read, collective=False, **export_args)
+    except BaseException as e:  # every rank learns of it before any returns
+        failure = e
     finally:
         overlay.close()
+    if groups:
+        ok = torch.tensor([0.0 if failure is not None else 1.0])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=groups[0])
+        if failure is None and ok.item() == 0:
+            failure = ExportError(f"tq.quantize_checkpoint: rank {writer} failed writing {out!r}; see its error")
+    if failure is not None:
+        raise failure
+    return report
