@@ -407,8 +407,8 @@ def test_ptq_two_ranks(two_ranks, one_thread):
         assert torch.equal(res["dp_moe_input_amax"], expected), f"rank {r} data-parallel MoE input amaxes"
 
     # 4. Weight transforms: every rank made the same weights; they are those of one process on the
-    #    union of the data, bit for bit (float64 sums of float32 terms: exact in any order, see
-    #    test_int_schemes_two_ranks).
+    #    union of the data, bit for bit (float64 sums of float32 terms, exact here in any order:
+    #    see test_int_schemes_two_ranks).
     t0 = ranks[0]["transforms"]
     for r, res in enumerate(ranks[1:], 1):
         for k, v in res["transforms"]["weights"].items():
@@ -482,8 +482,10 @@ def test_int_schemes_two_ranks(name, two_ranks, one_thread, tmp_path):
 
     Bit for bit although the ranks sum their statistics in another order than one process: each
     batch's ``XᵀX`` and ``sum|x|`` are float32 values (the same on a rank and here: one thread
-    each) added in float64, which holds them exactly, so the order of the additions does not
-    change the sums; maxima do not depend on the order at all."""
+    each) added in float64, which has 29 more mantissa bits, so the sums are exact, whatever their
+    order, unless an entry's batch terms differ in magnitude by about 2**29 or more (a nearly
+    cancelling off-diagonal entry; none here: a last-bit difference there could flip a GPTQ
+    rounding tie on a large model). Maxima do not depend on the order at all."""
     out_dir, ranks = two_ranks
     union = _token_batches(0) + _token_batches(1)
     single = _int_scheme(name, union, str(tmp_path / "single"))
