@@ -18,10 +18,11 @@ single-process runs built the other way:
    (here, one process);
 5. the integer schemes (issue 28) on tiny Hugging Face models, data-parallel: GPTQ W4 g128 on the
    FULL grid, asymmetric W4 g32 with GPTQ and AWQ, INT3 g32 round to nearest and GPTQ, INT2 g32
-   GPTQ, W8A8 dynamic with SmoothQuant (and GPTQ), on a 2-layer Llama (the second decoder layer
-   replayed on cached inputs) and a 2-layer Qwen3-MoE (per-expert Hessians): every rank ends
-   with the weights, amaxes and zero points of one process on the union of the data, and the
-   checkpoint the ranks export together equals that process's export byte for byte.
+   GPTQ, W8A8 dynamic and static with SmoothQuant (and GPTQ), FP8 KV cache with W4 GPTQ, on a
+   2-layer Llama (the second decoder layer replayed on cached inputs) and a 2-layer Qwen3-MoE
+   (per-expert Hessians and input amaxes; one whose rank 0 routes no token to some experts):
+   every rank ends with the weights, amaxes and zero points of one process on the union of the
+   data, and the checkpoint the ranks export together equals that process's export byte for byte.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_models import tiny_hf_moe  # noqa: E402
 
 WORLD_SIZE = 2
-JOIN_TIMEOUT_S = 330  # 44 s measured at load ~28 on 2 cores before the integer schemes (5.), which made the ranks ~2.5x longer
+JOIN_TIMEOUT_S = 400  # 44 s measured at load ~28 on 2 cores before the integer schemes (5.); they made the spawn ~2.9x longer (13 -> 37 s at load ~10)
 EXPERTS, LOCAL_EXPERTS, D, H = 4, 2, 32, 64
 
 
@@ -295,7 +296,20 @@ INT_CASES = {
     "qwen3_moe_w4g32_gptq": (_tiny_qwen3_moe, tq.configs.int4_weight_only(32), "gptq"),
     "qwen3_moe_w8a8_smoothquant_gptq": (_tiny_qwen3_moe, tq.configs.int8_dynamic(), ("smoothquant", "gptq")),
     "qwen3_moe_idle_experts_w4g32_gptq": (_tiny_qwen3_moe_rank_routed, tq.configs.int4_weight_only(32), "gptq"),
+    "qwen3_moe_idle_experts_w8a8_static_gptq": (_tiny_qwen3_moe_rank_routed, tq.configs.int8(), "gptq"),  # per-expert input amaxes
+    "llama_w4g128_fp8_kv_gptq": (_tiny_llama, tq.configs.int4_weight_only(128).with_rules(tq.configs.fp8_kv_cache()), "gptq"),
     "qwen3_moe_w4g32_asym_awq": (_tiny_qwen3_moe, tq.configs.int4_weight_only(32, grid=tq.IntGrid.ASYMMETRIC), "awq"),
+}
+
+# The cases that also calibrate on rank 0's data alone, to show that the test would see a
+# statistic left unreduced: one per statistic (Hessians, mean |x|, channel maxima, static
+# activation amaxes, per-expert token counts). The others share these models and data.
+REDUCTION_MATTERS = {
+    "llama_w4g128_gptq",
+    "llama_w4g32_asym_awq",
+    "llama_w8a8_smoothquant",
+    "llama_w8a8_static_smoothquant_gptq",
+    "qwen3_moe_idle_experts_w4g32_gptq",
 }
 
 
@@ -352,7 +366,8 @@ def _rank_checks(rank: int, out_dir: str) -> None:
 
 
 def _amaxes(state: dict) -> dict:
-    return {(n, s): e[s]["amax"] for n, e in state["modules"].items() for s in ("input", "weight", "output")}
+    # Every slot: input, weight, output; an attention's query, key and value (its KV cache).
+    return {(n, s): v["amax"] for n, e in state["modules"].items() for s, v in e.items() if isinstance(v, dict) and "amax" in v}
 
 
 def _assert_same_amaxes(a: dict, b: dict, what: str) -> None:
@@ -500,7 +515,7 @@ def test_int_schemes_two_ranks(name, two_ranks, one_thread, tmp_path):
         assert got["replayed"] == ([] if INT_CASES[name][2] == "max" else [True]), f"rank {r} {name}: {got['replayed']}"
     exported = _digests(str(out_dir / f"export_{name}"))
     assert "config.json" in exported and exported == _digests(str(tmp_path / "single")), name
-    if INT_CASES[name][2] != "max":
+    if name in REDUCTION_MATTERS:
         # The reduction matters: rank 0's data alone gives other weights.
         local = _int_scheme(name, _token_batches(0), str(tmp_path / "local"))
         assert any(not torch.equal(v, single["weights"][k]) for k, v in local["weights"].items()), name
