@@ -347,6 +347,32 @@ def _check_int_scheme(name: str, rank: int, world, results: dict, out_dir: str) 
     results[name] = _int_scheme(name, _token_batches(rank), f"{out_dir}/export_{name}", amax_groups=[world])
 
 
+def _check_reduce_stats_in_place(rank: int, world, results: dict, out_dir: str) -> None:
+    # 6. A statistic as large as a layer's Hessian (a 14336-wide down_proj: 1.6 GB in float64) is
+    #    reduced where it lies, not copied into a flat buffer beside itself (twice the memory);
+    #    small ones still share one collective.
+    from tqcompile.calibration.passes import REDUCE_BUCKET_BYTES, reduce_stats
+
+    big = torch.full((REDUCE_BUCKET_BYTES // 8 + 1,), float(rank + 1), dtype=torch.float64)
+    small = [torch.full((3,), float(rank + 1), dtype=torch.float64) for _ in range(2)]
+    reduced, all_reduce = [], dist.all_reduce
+
+    def recording_all_reduce(t, *args, **kwargs):
+        reduced.append((t.data_ptr(), t.numel()))
+        return all_reduce(t, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        reduce_stats([small[0], big, small[1]], [world], op=dist.ReduceOp.SUM)
+    finally:
+        dist.all_reduce = all_reduce
+    results["reduce_stats"] = {
+        "big_in_place": (big.data_ptr(), big.numel()) in reduced,
+        "collectives": len(reduced),
+        "sums": [float(big.min()), float(big.max()), *(float(t.sum()) for t in small)],
+    }
+
+
 def _rank_checks(rank: int, out_dir: str) -> None:
     world = dist.group.WORLD
     results: dict = {}
@@ -358,6 +384,7 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         _check_data_parallel_moe,
         _check_expert_parallel,
         _check_transforms_data_parallel,
+        _check_reduce_stats_in_place,
     )
     named = [(c.__name__.removeprefix("_check_"), lambda c=c: c(rank, world, results, out_dir)) for c in checks]
     named += [(f"int_scheme_{n}", lambda n=n: _check_int_scheme(n, rank, world, results, out_dir)) for n in INT_CASES]
@@ -436,6 +463,8 @@ def test_ptq_two_ranks(two_ranks, one_thread):
         assert torch.equal(got, want), k
         assert (local != want).float().mean() > 0.2, k  # the reduction matters: one rank's data alone gives other weights
     assert torch.equal(ranks[0]["dp_moe_gptq_weight"], ranks[1]["dp_moe_gptq_weight"])
+    for r, res in enumerate(ranks):  # 6. a large statistic reduced in place, the small ones together
+        assert res["reduce_stats"] == {"big_in_place": True, "collectives": 2, "sums": [3.0, 3.0, 9.0, 9.0]}, f"rank {r}"
 
     # 2. Every order gives the same state; each restores into a single-process model built another way.
     ref = ranks[0]["quantize_then_sync"]
