@@ -22,7 +22,8 @@ single-process runs built the other way:
    2-layer Llama (the second decoder layer replayed on cached inputs) and a 2-layer Qwen3-MoE
    (per-expert Hessians and input amaxes; one whose rank 0 routes no token to some experts):
    every rank ends with the weights, amaxes and zero points of one process on the union of the
-   data, and the checkpoint the ranks export together equals that process's export byte for byte.
+   data, and the checkpoint the ranks export together equals that process's export byte for byte;
+6. the reduction of statistics: a tensor larger than a bucket is reduced in place (no copy).
 """
 
 from __future__ import annotations
