@@ -9,7 +9,11 @@ from torch import nn
 
 from tqcompile.surgery.names import unwrap
 
-__all__ = ["run_loop", "reduce_stats", "CalibrationWarning"]
+__all__ = ["run_loop", "reduce_stats", "CalibrationWarning", "REDUCE_BUCKET_BYTES"]
+
+# Statistics are reduced in flat buckets of at most this many bytes (one collective each, as
+# DDP buckets gradients); a larger tensor (a layer's float64 Hessian) is reduced where it lies.
+REDUCE_BUCKET_BYTES = 16 * 2**20
 
 
 class CalibrationWarning(UserWarning):
@@ -50,15 +54,35 @@ def run_loop(model: nn.Module, forward_loop, modules: list[nn.Module], desc: str
 
 
 def reduce_stats(tensors: list[torch.Tensor], groups, op=dist.ReduceOp.MAX) -> None:
-    """Reduce every tensor in place over each group: one flat collective per group and dtype."""
+    """Reduce every tensor in place over each group: per dtype, one collective per flat bucket of
+    small tensors (`REDUCE_BUCKET_BYTES`), and one per larger tensor, reduced where it lies, so
+    the reduction never holds a second copy of a layer's Hessians."""
     if not groups or not tensors:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        for g in groups:
-            dist.all_reduce(flat, op=op, group=g)
-        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-            t.copy_(part.view_as(t))
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in ts:
+            nbytes = t.numel() * t.element_size()
+            if nbytes > REDUCE_BUCKET_BYTES and t.is_contiguous():
+                for g in groups:
+                    dist.all_reduce(t, op=op, group=g)
+                continue
+            if bucket and size + nbytes > REDUCE_BUCKET_BYTES:
+                _reduce_flat(bucket, groups, op)
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
+            _reduce_flat(bucket, groups, op)
+
+
+def _reduce_flat(ts: list[torch.Tensor], groups, op) -> None:
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    for g in groups:
+        dist.all_reduce(flat, op=op, group=g)
+    for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+        t.copy_(part.view_as(t))
