@@ -199,16 +199,25 @@ def _one_thread():
 
 def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor | None:
     """Upper Cholesky factor of the dampened Hessian's inverse; None if it stays singular after
-    raising the dampening tenfold twice."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    raising the dampening tenfold twice. At most three matrices of h's size live at once (h, the
+    factor, the inverse): at intermediate 14336 each is 1.6 GB in float64."""
+    n = h.shape[0]
     mean_diag = h.diagonal().mean().clamp(min=1e-12)
     for damp in (dampening, dampening * 10, dampening * 100):
         # With J the reversal, J H J = L L^T gives H^-1 = U^T U for the upper U = J L^-1 J: one
         # Cholesky and one triangular inverse, where the inverse then its Cholesky took two more
         # factorisations' work (the same factor: 3e-16 relative apart in float64, measured at 768).
-        lower, info = torch.linalg.cholesky_ex((h + damp * mean_diag * eye).flip(0, 1))
+        damped = h.flip(0, 1)  # a copy; J (H + d I) J = J H J + d I
+        damped.diagonal().add_(damp * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
-            return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
+            # The identity laid out column-major, solved into in place: LAPACK's own layout, so no
+            # second copy (and the same bits as solving into a new result).
+            inv = torch.eye(n, dtype=h.dtype, device=h.device).t()
+            torch.linalg.solve_triangular(lower, inv, upper=False, out=inv)
+            del lower
+            return inv.flip(0, 1)
     return None
 
 
@@ -233,6 +242,7 @@ def gptq_quantize(
     *,
     name: str = "weight",
     tensor_amax: torch.Tensor | None = None,
+    own_hessian: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """GPTQ-round `weight` (out, in) for inputs with Hessian `h` (in, in).
 
@@ -244,10 +254,12 @@ def gptq_quantize(
 
     `tensor_amax`: for NVFP4, the tensor-level amax to hold (at least the weight's own): the max
     over the weights an engine fuses into one GEMM (q/k/v), which share one global scale.
+    `own_hessian`: the caller hands `h` (float64) over: it is changed and freed as GPTQ goes
+    instead of copied (a Hessian at intermediate 14336 is 1.6 GB).
     """
     if tensor_amax is not None and not quantizer.has_global_scale():
         raise ValueError(f"gptq_quantize: tensor_amax is for NVFP4 weights; {quantizer!r} has none to hold")
-    r = _gptq(weight, h, quantizer, config or GPTQ(), name, tensor_amax)
+    r = _gptq(weight, h if own_hessian else h.double().clone(), quantizer, config or GPTQ(), name, tensor_amax)
     return r.q, r.amax, r.how
 
 
@@ -257,7 +269,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     quantizer.check_shape(weight.shape)
     w = weight.detach().float().clone()
     out_f, in_f = w.shape
-    h = h.double().clone()
+    h = h.double()  # changed in place: `gptq_quantize` passes a copy unless the caller handed it over
     dead = h.diagonal() == 0  # inputs always zero: any weight there is free; make them zero
     if bool(dead.all()):
         # No input ever non-zero: the data says nothing about the weight, and zeroing all of it (its
@@ -292,6 +304,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
         return amax if gran is Granularity.ROWWISE else amax[:, j // block : j // block + 1]
 
     w, hp = w[:, perm], h[perm][:, perm]
+    del h  # the permuted copy serves from here on (the output error below too): one matrix less at the peak
     hinv = _inverse_cholesky(hp, config.dampening)
     if hinv is None:
         warnings.warn(
@@ -321,13 +334,15 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
                 w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
                 err[:, i] = e
         w[:, i2:] -= err @ hinv[i1:i2, i2:].float()
+    del hinv
     q = torch.empty_like(qw)
     q[:, perm] = qw
     moved = 0
     if blocked is not None:
         q, moved = _requantize_moved_blocks(q, quantizer, amax)
     rtn = _rtn(weight, quantizer, dead, held_amax)
-    if _output_error(weight.float(), q, h) > _output_error(weight.float(), rtn.q, h):
+    wp = weight.float()[:, perm]
+    if _output_error(wp, q[:, perm], hp) > _output_error(wp, rtn.q[:, perm], hp):
         return dataclasses.replace(rtn, requantized_blocks=moved)
     return _Result(q.to(weight.dtype), amax.reshape(()) if gran is Granularity.TENSORWISE else amax, "gptq", moved)
 

@@ -82,6 +82,15 @@ class LayerStats:
     def hessian(self, e: int) -> torch.Tensor:
         return 2.0 * self.h[e] / self.n[e].clamp(min=1)
 
+    def take_hessian(self, e: int) -> torch.Tensor:
+        """`hessian(e)` computed in the statistics' own memory (the same values: 2 h, then / n),
+        for a consumer that uses it last (GPTQ): no copy of a matrix that can be GBs. A Linear's
+        statistics then let go of it, so the consumer can free it as it goes."""
+        h = self.h[e].mul_(2.0).div_(self.n[e].clamp(min=1))
+        if self.h.shape[0] == 1:
+            self.h = None
+        return h
+
     def x_mean(self) -> torch.Tensor:
         return (self.abs_sum.sum(0) / self.n.sum().clamp(min=1)).float()
 

@@ -235,7 +235,8 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
             why = "received no tokens during calibration (its Hessian is empty)" if st.n[e] == 0 else None
             if why is None:
                 try:
-                    qw, amax, how = gptq_quantize(w, st.hessian(e), q, ctx.plan.gptq, name=label, tensor_amax=held_amax)
+                    # Handed over (float64, in the statistics' memory): GPTQ frees it as it goes.
+                    qw, amax, how = gptq_quantize(w, st.take_hessian(e), q, ctx.plan.gptq, name=label, tensor_amax=held_amax, own_hessian=True)
                 except ValueError as err:
                     why = str(err)
             if why is not None:
