@@ -348,6 +348,42 @@ def _check_int_scheme(name: str, rank: int, world, results: dict, out_dir: str) 
     results[name] = _int_scheme(name, _token_batches(rank), f"{out_dir}/export_{name}", amax_groups=[world])
 
 
+# 7. `tq.quantize_checkpoint(..., data=, amax_groups=)`: the INT_CASES it runs on, from the float
+#    checkpoints the fixture saves (one per model), each rank on its own batches.
+LAYERWISE_CASES = ("llama_w4g32_asym_gptq", "llama_w8a8_static_smoothquant_gptq", "qwen3_moe_w4g32_gptq")
+
+
+def _float_checkpoint(out_dir, name: str) -> str:
+    return f"{out_dir}/float_{INT_CASES[name][0].__name__}"
+
+
+def _layerwise(name: str, batches, out: str, src: str, amax_groups=()):
+    _, config, algorithm = INT_CASES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tq.calibration.CalibrationWarning)  # layers a preset leaves in high precision
+        return tq.quantize_checkpoint(src, out, config, data=batches, algorithm=algorithm, amax_groups=amax_groups, progress=False)
+
+
+def _check_layerwise(name: str, rank: int, world, results: dict, out_dir: str) -> None:
+    report = _layerwise(name, _token_batches(rank), f"{out_dir}/layerwise_{name}", _float_checkpoint(out_dir, name), [world])
+    results[f"layerwise_{name}"] = None if report is None else len(report.rows)
+
+
+def _check_layerwise_bad_out(rank: int, world, results: dict, out_dir: str) -> None:
+    # 7'. The writing rank's `out` is refused (an existing, non-empty directory): every rank raises.
+    occupied = Path(out_dir, "occupied")
+    if rank == 0:
+        occupied.mkdir()
+        (occupied / "notes.txt").write_text("not a checkpoint")
+    dist.barrier()
+    try:
+        _layerwise("llama_w4g32_asym_gptq", _token_batches(rank)[:1], str(occupied), _float_checkpoint(out_dir, "llama_w4g32_asym_gptq"), [world])
+    except Exception as e:
+        results["layerwise_bad_out"] = f"{type(e).__name__}: {e}"
+    else:
+        results["layerwise_bad_out"] = None
+
+
 def _check_reduce_stats_in_place(rank: int, world, results: dict, out_dir: str) -> None:
     # 6. A statistic as large as a layer's Hessian (a 14336-wide down_proj: 1.6 GB in float64) is
     #    reduced where it lies, not copied into a flat buffer beside itself (twice the memory);
@@ -386,9 +422,11 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         _check_expert_parallel,
         _check_transforms_data_parallel,
         _check_reduce_stats_in_place,
+        _check_layerwise_bad_out,
     )
     named = [(c.__name__.removeprefix("_check_"), lambda c=c: c(rank, world, results, out_dir)) for c in checks]
     named += [(f"int_scheme_{n}", lambda n=n: _check_int_scheme(n, rank, world, results, out_dir)) for n in INT_CASES]
+    named += [(f"layerwise_{n}", lambda n=n: _check_layerwise(n, rank, world, results, out_dir)) for n in LAYERWISE_CASES]
     results["timings"] = run_checks(rank, named)["timings"]
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
@@ -422,6 +460,9 @@ def one_thread():
 def two_ranks(tmp_path_factory, one_thread) -> tuple[Path, list]:
     """The one spawn every test of this file reads: (its directory, each rank's results)."""
     out_dir = tmp_path_factory.mktemp("ptq_ranks")
+    for name in LAYERWISE_CASES:  # the float checkpoints the ranks share
+        if not os.path.exists(_float_checkpoint(out_dir, name)):
+            INT_CASES[name][0]().save_pretrained(_float_checkpoint(out_dir, name))
     return out_dir, run_ranks(_rank_checks, WORLD_SIZE, out_dir, deadline_s=JOIN_TIMEOUT_S)
 
 
@@ -552,3 +593,26 @@ def test_int_schemes_two_ranks(name, two_ranks, one_thread, tmp_path):
         if "idle_experts" in name:  # alone, rank 0 rounds 2 experts a layer (both GEMMs) to nearest; with rank 1's tokens, none
             assert sum(line.endswith("(its Hessian is empty)") for w in local["warnings"] for line in w.splitlines()) == 8
             assert single["warnings"] == [], single["warnings"]
+
+
+@pytest.mark.parametrize("name", LAYERWISE_CASES)
+def test_layerwise_two_ranks(name, two_ranks, one_thread, tmp_path):
+    """Issue 28: `tq.quantize_checkpoint(..., data=mine, amax_groups=[WORLD])` from a float
+    checkpoint on disk, each rank with its own (uneven) batches: rank 0 writes and returns the
+    report, rank 1 None, and the files are byte for byte (a) what the same case's
+    `tq.calibrate(..., amax_groups)` + export on the ranks wrote and (b) what one process's
+    `quantize_checkpoint` on the union of the batches writes."""
+    out_dir, ranks = two_ranks
+    assert ranks[0][f"layerwise_{name}"] and ranks[1][f"layerwise_{name}"] is None, name
+    got = _digests(str(out_dir / f"layerwise_{name}"))
+    assert "config.json" in got and got == _digests(str(out_dir / f"export_{name}")), f"{name}: (a) differs from tq.calibrate + export"
+    _layerwise(name, _token_batches(0) + _token_batches(1), str(tmp_path / "single"), _float_checkpoint(out_dir, name))
+    assert got == _digests(str(tmp_path / "single")), f"{name}: (b) differs from one process on the union"
+
+
+def test_layerwise_bad_out_two_ranks(two_ranks):
+    """The writing rank's refusal of `out` reaches every rank: each raises, none waits."""
+    _, ranks = two_ranks
+    assert ranks[0]["layerwise_bad_out"].startswith("ExportError: tq.export: directory"), ranks[0]["layerwise_bad_out"]
+    assert "exists and is not empty" in ranks[0]["layerwise_bad_out"]
+    assert ranks[1]["layerwise_bad_out"] is not None and "rank 0 failed writing" in ranks[1]["layerwise_bad_out"], ranks[1]["layerwise_bad_out"]
