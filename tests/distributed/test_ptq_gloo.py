@@ -23,7 +23,12 @@ single-process runs built the other way:
    (per-expert Hessians and input amaxes; one whose rank 0 routes no token to some experts):
    every rank ends with the weights, amaxes and zero points of one process on the union of the
    data, and the checkpoint the ranks export together equals that process's export byte for byte;
-6. the reduction of statistics: a tensor larger than a bucket is reduced in place (no copy).
+6. the reduction of statistics: a tensor larger than a bucket is reduced in place (no copy);
+7. `tq.quantize_checkpoint(..., data=mine, amax_groups=[WORLD])` from float checkpoints on disk
+   (three of the cases of 5.): rank 0 writes and reports, rank 1 returns None, and the files equal
+   those of the case's `tq.calibrate` + export and of one process on the union, byte for byte; a
+   call one rank refuses (the writer's `out`, the other's data) raises on every rank, before any
+   calibration.
 """
 
 from __future__ import annotations
@@ -369,19 +374,33 @@ def _check_layerwise(name: str, rank: int, world, results: dict, out_dir: str) -
     results[f"layerwise_{name}"] = None if report is None else len(report.rows)
 
 
-def _check_layerwise_bad_out(rank: int, world, results: dict, out_dir: str) -> None:
-    # 7'. The writing rank's `out` is refused (an existing, non-empty directory): every rank raises.
-    occupied = Path(out_dir, "occupied")
+def _check_layerwise_refused(rank: int, world, results: dict, out_dir: str) -> None:
+    # 7'. A call one rank refuses is refused on every rank, before any calibration: the writing
+    #     rank's `out` (an existing, non-empty directory), then rank 1's data (a string in it).
+    from tqcompile.export import streaming
+
+    occupied, name = Path(out_dir, "occupied"), "llama_w4g32_asym_gptq"
     if rank == 0:
         occupied.mkdir()
         (occupied / "notes.txt").write_text("not a checkpoint")
     dist.barrier()
+    calibrations, calibrate = [], streaming.calibrate_layerwise
+    streaming.calibrate_layerwise = lambda *a, **kw: calibrations.append(1) or calibrate(*a, **kw)
+    errors = {}
     try:
-        _layerwise("llama_w4g32_asym_gptq", _token_batches(rank)[:1], str(occupied), _float_checkpoint(out_dir, "llama_w4g32_asym_gptq"), [world])
-    except Exception as e:
-        results["layerwise_bad_out"] = f"{type(e).__name__}: {e}"
-    else:
-        results["layerwise_bad_out"] = None
+        for what, out, data in (
+            ("bad_out", occupied, _token_batches(rank)[:1]),
+            ("bad_data", Path(out_dir, "never_written"), _token_batches(rank)[:1] + ["text"] * rank),
+        ):
+            try:
+                _layerwise(name, data, str(out), _float_checkpoint(out_dir, name), [world])
+            except Exception as e:
+                errors[what] = f"{type(e).__name__}: {e}"
+            else:
+                errors[what] = None
+    finally:
+        streaming.calibrate_layerwise = calibrate
+    results["layerwise_refused"] = {**errors, "calibrations": len(calibrations), "written": os.path.exists(Path(out_dir, "never_written"))}
 
 
 def _check_reduce_stats_in_place(rank: int, world, results: dict, out_dir: str) -> None:
@@ -422,11 +441,11 @@ def _rank_checks(rank: int, out_dir: str) -> None:
         _check_expert_parallel,
         _check_transforms_data_parallel,
         _check_reduce_stats_in_place,
-        _check_layerwise_bad_out,
     )
     named = [(c.__name__.removeprefix("_check_"), lambda c=c: c(rank, world, results, out_dir)) for c in checks]
     named += [(f"int_scheme_{n}", lambda n=n: _check_int_scheme(n, rank, world, results, out_dir)) for n in INT_CASES]
     named += [(f"layerwise_{n}", lambda n=n: _check_layerwise(n, rank, world, results, out_dir)) for n in LAYERWISE_CASES]
+    named += [("layerwise_refused", lambda: _check_layerwise_refused(rank, world, results, out_dir))]
     results["timings"] = run_checks(rank, named)["timings"]
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
@@ -610,9 +629,14 @@ def test_layerwise_two_ranks(name, two_ranks, one_thread, tmp_path):
     assert got == _digests(str(tmp_path / "single")), f"{name}: (b) differs from one process on the union"
 
 
-def test_layerwise_bad_out_two_ranks(two_ranks):
-    """The writing rank's refusal of `out` reaches every rank: each raises, none waits."""
+def test_layerwise_refused_on_every_rank(two_ranks):
+    """A call that one rank refuses (the writer's `out`, another rank's data) raises on every rank
+    with that rank's reason, before any calibration: none is left waiting in a collective."""
     _, ranks = two_ranks
-    assert ranks[0]["layerwise_bad_out"].startswith("ExportError: tq.export: directory"), ranks[0]["layerwise_bad_out"]
-    assert "exists and is not empty" in ranks[0]["layerwise_bad_out"]
-    assert ranks[1]["layerwise_bad_out"] is not None and "rank 0 failed writing" in ranks[1]["layerwise_bad_out"], ranks[1]["layerwise_bad_out"]
+    r0, r1 = ranks[0]["layerwise_refused"], ranks[1]["layerwise_refused"]
+    assert r0["bad_out"].startswith("ExportError: tq.export: directory") and "exists and is not empty" in r0["bad_out"], r0
+    assert r1["bad_out"].startswith("ExportError: tq.quantize_checkpoint: rank 0 refused the call: ExportError: tq.export: directory"), r1
+    assert r1["bad_data"].startswith("TypeError: tq.quantize_checkpoint: data[1] is a str"), r1
+    assert r0["bad_data"].startswith("ExportError: tq.quantize_checkpoint: rank 1 refused the call: TypeError: tq.quantize_checkpoint: data[1] is a str"), r0
+    for r, res in enumerate((r0, r1)):
+        assert res["calibrations"] == 0 and not res["written"], f"rank {r}: {res}"
