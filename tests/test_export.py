@@ -490,3 +490,18 @@ def test_static_input_scale_is_the_scale_tq_quantizes_with(tmp_path, pow2):
         iq = model.get_submodule(n).input_quantizer
         want = tq.quantize(torch.zeros(4, HIDDEN if "q_proj" in n else INTER), fp8, amax=iq.amax)._scale_inv
         assert torch.equal(t[f"{n}.input_scale"], want.reshape(1)), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_config_json_is_what_save_pretrained_writes_plus_the_quantization_config(tmp_path, dtype):
+    """A model built from a config (no `architectures`, no `dtype` in it yet) exports the config.json
+    `save_pretrained` writes for it, plus the quantization_config: vLLM picks the model class by
+    `architectures` and its dtype="auto" by `dtype`."""
+    model = _calibrated("int4_g32", tiny_llama().to(dtype))
+    tq.export(model, str(tmp_path / "ours"))
+    model.save_pretrained(str(tmp_path / "hf"))  # after the export: save_pretrained writes into model.config
+    ours = json.load(open(tmp_path / "ours" / "config.json"))
+    hf = json.load(open(tmp_path / "hf" / "config.json"))
+    assert ours.pop("quantization_config")["format"] == "pack-quantized"
+    hf.pop("quantization_config", None)
+    assert ours == hf and ours["architectures"] == ["LlamaForCausalLM"] and ours["dtype"] == str(dtype).removeprefix("torch.")

@@ -175,3 +175,18 @@ def test_a_quantized_head_with_static_activations_is_calibrated_on_the_layers_ou
         tq.quantize_checkpoint(src, str(tmp_path / "layerwise"), config(), data=batches, algorithm="percentile", progress=False)
     _calibrated_export(src, str(tmp_path / "loaded"), config(), batches, "percentile")
     assert _differ(str(tmp_path / "layerwise"), str(tmp_path / "loaded")) == []
+
+
+def test_an_occupied_out_is_refused_before_calibrating(tmp_path, monkeypatch):
+    """`out` is checked as the export will check it before the calibration (hours on a large model),
+    and nothing is created where the call is refused."""
+    src = str(tmp_path / "float")
+    _llama(layers=2).save_pretrained(src)
+    calls = []
+    monkeypatch.setattr(streaming, "calibrate_layerwise", lambda *a, **kw: calls.append(1))
+    with pytest.raises(tq.export.ExportError, match=r"directory '.*float' exists and is not empty .* overwrite=True"):
+        tq.quantize_checkpoint(src, src, tq.configs.int4_weight_only(32), data=_batches(96), algorithm="gptq", progress=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(tq.export.ExportError, match=r"path '.*file' is a file; pass a directory"):
+        tq.quantize_checkpoint(src, str(tmp_path / "file"), tq.configs.int4_weight_only(32), data=_batches(96), algorithm="gptq", progress=False)
+    assert calls == []

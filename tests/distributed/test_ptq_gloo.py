@@ -23,7 +23,12 @@ single-process runs built the other way:
    (per-expert Hessians and input amaxes; one whose rank 0 routes no token to some experts):
    every rank ends with the weights, amaxes and zero points of one process on the union of the
    data, and the checkpoint the ranks export together equals that process's export byte for byte;
-6. the reduction of statistics: a tensor larger than a bucket is reduced in place (no copy).
+6. the reduction of statistics: a tensor larger than a bucket is reduced in place (no copy);
+7. `tq.quantize_checkpoint(..., data=mine, amax_groups=[WORLD])` from float checkpoints on disk
+   (three of the cases of 5.): rank 0 writes and reports, rank 1 returns None, and the files equal
+   those of the case's `tq.calibrate` + export and of one process on the union, byte for byte; a
+   call one rank refuses (the writer's `out`, the other's data) raises on every rank, before any
+   calibration.
 """
 
 from __future__ import annotations
@@ -348,6 +353,56 @@ def _check_int_scheme(name: str, rank: int, world, results: dict, out_dir: str) 
     results[name] = _int_scheme(name, _token_batches(rank), f"{out_dir}/export_{name}", amax_groups=[world])
 
 
+# 7. `tq.quantize_checkpoint(..., data=, amax_groups=)`: the INT_CASES it runs on, from the float
+#    checkpoints the fixture saves (one per model), each rank on its own batches.
+LAYERWISE_CASES = ("llama_w4g32_asym_gptq", "llama_w8a8_static_smoothquant_gptq", "qwen3_moe_w4g32_gptq")
+
+
+def _float_checkpoint(out_dir, name: str) -> str:
+    return f"{out_dir}/float_{INT_CASES[name][0].__name__}"
+
+
+def _layerwise(name: str, batches, out: str, src: str, amax_groups=()):
+    _, config, algorithm = INT_CASES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tq.calibration.CalibrationWarning)  # layers a preset leaves in high precision
+        return tq.quantize_checkpoint(src, out, config, data=batches, algorithm=algorithm, amax_groups=amax_groups, progress=False)
+
+
+def _check_layerwise(name: str, rank: int, world, results: dict, out_dir: str) -> None:
+    report = _layerwise(name, _token_batches(rank), f"{out_dir}/layerwise_{name}", _float_checkpoint(out_dir, name), [world])
+    results[f"layerwise_{name}"] = None if report is None else len(report.rows)
+
+
+def _check_layerwise_refused(rank: int, world, results: dict, out_dir: str) -> None:
+    # 7'. A call one rank refuses is refused on every rank, before any calibration: the writing
+    #     rank's `out` (an existing, non-empty directory), then rank 1's data (a string in it).
+    from tqcompile.export import streaming
+
+    occupied, name = Path(out_dir, "occupied"), "llama_w4g32_asym_gptq"
+    if rank == 0:
+        occupied.mkdir()
+        (occupied / "notes.txt").write_text("not a checkpoint")
+    dist.barrier()
+    calibrations, calibrate = [], streaming.calibrate_layerwise
+    streaming.calibrate_layerwise = lambda *a, **kw: calibrations.append(1) or calibrate(*a, **kw)
+    errors = {}
+    try:
+        for what, out, data in (
+            ("bad_out", occupied, _token_batches(rank)[:1]),
+            ("bad_data", Path(out_dir, "never_written"), _token_batches(rank)[:1] + ["text"] * rank),
+        ):
+            try:
+                _layerwise(name, data, str(out), _float_checkpoint(out_dir, name), [world])
+            except Exception as e:
+                errors[what] = f"{type(e).__name__}: {e}"
+            else:
+                errors[what] = None
+    finally:
+        streaming.calibrate_layerwise = calibrate
+    results["layerwise_refused"] = {**errors, "calibrations": len(calibrations), "written": os.path.exists(Path(out_dir, "never_written"))}
+
+
 def _check_reduce_stats_in_place(rank: int, world, results: dict, out_dir: str) -> None:
     # 6. A statistic as large as a layer's Hessian (a 14336-wide down_proj: 1.6 GB in float64) is
     #    reduced where it lies, not copied into a flat buffer beside itself (twice the memory);
@@ -389,6 +444,8 @@ def _rank_checks(rank: int, out_dir: str) -> None:
     )
     named = [(c.__name__.removeprefix("_check_"), lambda c=c: c(rank, world, results, out_dir)) for c in checks]
     named += [(f"int_scheme_{n}", lambda n=n: _check_int_scheme(n, rank, world, results, out_dir)) for n in INT_CASES]
+    named += [(f"layerwise_{n}", lambda n=n: _check_layerwise(n, rank, world, results, out_dir)) for n in LAYERWISE_CASES]
+    named += [("layerwise_refused", lambda: _check_layerwise_refused(rank, world, results, out_dir))]
     results["timings"] = run_checks(rank, named)["timings"]
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
@@ -422,6 +479,9 @@ def one_thread():
 def two_ranks(tmp_path_factory, one_thread) -> tuple[Path, list]:
     """The one spawn every test of this file reads: (its directory, each rank's results)."""
     out_dir = tmp_path_factory.mktemp("ptq_ranks")
+    for name in LAYERWISE_CASES:  # the float checkpoints the ranks share
+        if not os.path.exists(_float_checkpoint(out_dir, name)):
+            INT_CASES[name][0]().save_pretrained(_float_checkpoint(out_dir, name))
     return out_dir, run_ranks(_rank_checks, WORLD_SIZE, out_dir, deadline_s=JOIN_TIMEOUT_S)
 
 
@@ -552,3 +612,31 @@ def test_int_schemes_two_ranks(name, two_ranks, one_thread, tmp_path):
         if "idle_experts" in name:  # alone, rank 0 rounds 2 experts a layer (both GEMMs) to nearest; with rank 1's tokens, none
             assert sum(line.endswith("(its Hessian is empty)") for w in local["warnings"] for line in w.splitlines()) == 8
             assert single["warnings"] == [], single["warnings"]
+
+
+@pytest.mark.parametrize("name", LAYERWISE_CASES)
+def test_layerwise_two_ranks(name, two_ranks, one_thread, tmp_path):
+    """Issue 28: `tq.quantize_checkpoint(..., data=mine, amax_groups=[WORLD])` from a float
+    checkpoint on disk, each rank with its own (uneven) batches: rank 0 writes and returns the
+    report, rank 1 None, and the files are byte for byte (a) what the same case's
+    `tq.calibrate(..., amax_groups)` + export on the ranks wrote and (b) what one process's
+    `quantize_checkpoint` on the union of the batches writes."""
+    out_dir, ranks = two_ranks
+    assert ranks[0][f"layerwise_{name}"] and ranks[1][f"layerwise_{name}"] is None, name
+    got = _digests(str(out_dir / f"layerwise_{name}"))
+    assert "config.json" in got and got == _digests(str(out_dir / f"export_{name}")), f"{name}: (a) differs from tq.calibrate + export"
+    _layerwise(name, _token_batches(0) + _token_batches(1), str(tmp_path / "single"), _float_checkpoint(out_dir, name))
+    assert got == _digests(str(tmp_path / "single")), f"{name}: (b) differs from one process on the union"
+
+
+def test_layerwise_refused_on_every_rank(two_ranks):
+    """A call that one rank refuses (the writer's `out`, another rank's data) raises on every rank
+    with that rank's reason, before any calibration: none is left waiting in a collective."""
+    _, ranks = two_ranks
+    r0, r1 = ranks[0]["layerwise_refused"], ranks[1]["layerwise_refused"]
+    assert r0["bad_out"].startswith("ExportError: tq.export: directory") and "exists and is not empty" in r0["bad_out"], r0
+    assert r1["bad_out"].startswith("ExportError: tq.quantize_checkpoint: rank 0 refused the call: ExportError: tq.export: directory"), r1
+    assert r1["bad_data"].startswith("TypeError: tq.quantize_checkpoint: data[1] is a str"), r1
+    assert r0["bad_data"].startswith("ExportError: tq.quantize_checkpoint: rank 1 refused the call: TypeError: tq.quantize_checkpoint: data[1] is a str"), r0
+    for r, res in enumerate((r0, r1)):
+        assert res["calibrations"] == 0 and not res["written"], f"rank {r}: {res}"

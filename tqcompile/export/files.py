@@ -33,7 +33,7 @@ import time
 from tqcompile.export.safetensors_io import INDEX_NAME
 from tqcompile.export.units import ExportError
 
-__all__ = ["Destination", "LOCK_NAME", "STAGE_PREFIX", "INDEX_NAME", "SINGLE_NAME", "fsync_file"]
+__all__ = ["Destination", "check_destination", "LOCK_NAME", "STAGE_PREFIX", "INDEX_NAME", "SINGLE_NAME", "fsync_file"]
 
 LOCK_NAME = ".tq-export.lock"
 STAGE_PREFIX = ".tq-export-"  # staging directories (and, before they existed, spool files) of an export
@@ -139,6 +139,28 @@ def previous_checkpoint(directory: str, format_files: tuple[str, ...] = ()) -> s
     return {n for n in names if os.path.isfile(os.path.join(directory, n))}
 
 
+def _refuse_a_file(path: str) -> None:
+    if os.path.isfile(path):
+        raise ExportError(f"tq.export: path {path!r} is a file; pass a directory (it is created if missing)")
+
+
+def _refuse_occupied(path: str, entries: list[str], overwrite: bool) -> None:
+    if entries and not overwrite:
+        raise ExportError(
+            f"tq.export: directory {path!r} exists and is not empty ({len(entries)} entries); "
+            "pass an empty or new directory, or overwrite=True to replace its checkpoint files"
+        )
+
+
+def check_destination(path: str, overwrite: bool) -> None:
+    """Raise the `ExportError` that `Destination(path, overwrite)` would raise for what `path`
+    holds now (a file; a non-empty directory without `overwrite`), creating and locking nothing:
+    for a caller with hours of work to do before it writes."""
+    _refuse_a_file(path)
+    if os.path.isdir(path):
+        _refuse_occupied(path, [n for n in os.listdir(path) if n != LOCK_NAME and not n.startswith(STAGE_PREFIX)], overwrite)
+
+
 class Destination:
     """The directory an export writes to, locked for this process from construction to `close`.
 
@@ -147,8 +169,7 @@ class Destination:
     the config files of its own that a checkpoint format writes, see `previous_checkpoint`)."""
 
     def __init__(self, path: str, overwrite: bool, format_files: tuple[str, ...] = ()):
-        if os.path.isfile(path):
-            raise ExportError(f"tq.export: path {path!r} is a file; pass a directory (it is created if missing)")
+        _refuse_a_file(path)
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
@@ -160,12 +181,7 @@ class Destination:
             raise ExportError(f"tq.export: cannot write to the directory {path!r}: {e}") from e
         try:
             self._remove_dead_stages()  # under the lock: no export is writing them
-            others = [n for n in os.listdir(path) if n != LOCK_NAME]
-            if others and not overwrite:
-                raise ExportError(
-                    f"tq.export: directory {path!r} exists and is not empty ({len(others)} entries); "
-                    "pass an empty or new directory, or overwrite=True to replace its checkpoint files"
-                )
+            _refuse_occupied(path, [n for n in os.listdir(path) if n != LOCK_NAME], overwrite)
             self.previous = previous_checkpoint(path, format_files)
             self.stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=path)
         except BaseException:

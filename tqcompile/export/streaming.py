@@ -27,6 +27,7 @@ from tqcompile.calibration.config import QuantConfig
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
 from tqcompile.calibration.pipeline import check_data_free, prepare, weight_amax
+from tqcompile.export.files import check_destination
 from tqcompile.export.layerwise import calibrate_layerwise, check_batches, parameters_on_meta
 from tqcompile.export.readers import safetensors_reader, trim_heap
 from tqcompile.export.safetensors_io import parse_size
@@ -112,7 +113,9 @@ def quantize_checkpoint(
             share of the batches (and the same `path`, `out`, config), every statistic is reduced
             over the groups as `tq.calibrate` reduces it, so each rank computes what one process
             computes on the union of the data; the group's first rank writes `out` and returns the
-            report, the others return None (an error on the writing rank is raised on every rank).
+            report, the others return None. What one rank refuses (its data, the writer's `out`)
+            is refused on every rank before the calibration, and an error writing `out` is raised
+            on every rank, each with the failing rank's reason.
         format, dtype, max_shard_size, overwrite: as `tq.export`.
 
     Returns:
@@ -147,40 +150,57 @@ def quantize_checkpoint(
 
 
 def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress, groups, export_args):
-    batches = check_batches(data)
     for g in groups:
         if not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"tq.quantize_checkpoint: amax_groups must hold torch.distributed ProcessGroups, got {type(g).__name__}")
-    if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
-        raise ValueError(f"tq.quantize_checkpoint: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
-    bound = None if cache_bytes is None else parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
-    model = _meta_model(path, buffers=True) if model is None else model
-    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
-    if meta_buffers:
-        raise ExportError(
-            f"tq.quantize_checkpoint: the model's buffer {meta_buffers[0]!r} is on the meta device; running calibration data "
-            "needs real buffers: build the model under tqcompile.export.layerwise.parameters_on_meta() (parameters on meta, "
-            "buffers computed), or leave model= out"
-        )
+    writer = dist.get_global_rank(groups[0], 0) if groups else None
+    writes = writer is None or dist.get_rank() == writer
+    failure = None
+    try:  # everything refused is refused before the calibration, which may take hours
+        batches = check_batches(data)
+        if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
+            raise ValueError(f"tq.quantize_checkpoint: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
+        bound = None if cache_bytes is None else parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
+        model = _meta_model(path, buffers=True) if model is None else model
+        meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ExportError(
+                f"tq.quantize_checkpoint: the model's buffer {meta_buffers[0]!r} is on the meta device; running calibration data "
+                "needs real buffers: build the model under tqcompile.export.layerwise.parameters_on_meta() (parameters on meta, "
+                "buffers computed), or leave model= out"
+            )
+        if writes:
+            check_destination(out, export_args["overwrite"])
+    except Exception as e:
+        failure = e
+    _raise_on_every_rank(failure, groups, "refused the call")
     scratch = cache_dir if cache_dir is not None else os.path.dirname(os.path.abspath(out))
     overlay = calibrate_layerwise(
         model, safetensors_reader(path, model), config, batches, algo, percentile,
         scratch=scratch, cache_bytes=bound, cache_dir=cache_dir, progress=progress, amax_groups=groups,
     )
-    writer = dist.get_global_rank(groups[0], 0) if groups else None
-    report, failure = None, None
+    report = None
     try:
-        if writer is None or dist.get_rank() == writer:
+        if writes:
             report = export(model, out, checkpoint=overlay.read, collective=False, **export_args)
     except BaseException as e:  # every rank learns of it before any returns
         failure = e
     finally:
         overlay.close()
+    _raise_on_every_rank(failure, groups, f"failed writing {out!r}")
+    return report
+
+
+def _raise_on_every_rank(failure: BaseException | None, groups: tuple, what: str) -> None:
+    """Raise `failure` here, and on the first group's other ranks an `ExportError` with its reason:
+    one rank raising alone would leave the others waiting in the next collective (or matched to
+    another one)."""
     if groups:
-        ok = torch.tensor([0.0 if failure is not None else 1.0])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=groups[0])
-        if failure is None and ok.item() == 0:
-            failure = ExportError(f"tq.quantize_checkpoint: rank {writer} failed writing {out!r}; see its error")
+        reasons = [None] * dist.get_world_size(groups[0])
+        dist.all_gather_object(reasons, None if failure is None else f"{type(failure).__name__}: {failure}", group=groups[0])
+        failed = [(i, r) for i, r in enumerate(reasons) if r is not None]
+        if failure is None and failed:
+            i, reason = failed[0]
+            failure = ExportError(f"tq.quantize_checkpoint: rank {dist.get_global_rank(groups[0], i)} {what}: {reason}")
     if failure is not None:
         raise failure
-    return report

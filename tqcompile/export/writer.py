@@ -512,10 +512,17 @@ def _write_configs(
         with open(os.path.join(path, name), "w") as f:
             json.dump(content, f, indent=2)
     if is_hf_model(model):
+        hf = unwrap(model)
         config = copy.deepcopy(model.config)
         config.quantization_config = qconfig
+        # save_pretrained fills these in; a model built with from_config has neither until then,
+        # and vLLM picks the model class by `architectures` (its dtype="auto" by `dtype`).
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(hf).__name__]
         if dtype is not None:
             config.dtype = dtype
+        elif getattr(config, "dtype", None) is None:
+            config.dtype = hf.dtype
         config.save_pretrained(path)
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
