@@ -93,6 +93,10 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
     groups = sequential_groups(model, units, sequential)
     by_first = {c.first: c for c in (replay.chains(model, [g for g, _ in groups]) if REPLAY and sequential else [])}
     chain = None
+    from tqdm.auto import tqdm
+
+    # Counts groups (decoder layers): replayed layers run no pass of forward_loop for run_loop's bar to count.
+    bar = tqdm(total=len(groups), desc=f"{plan.describe()}: layers", unit=" layer", disable=not progress or len(groups) < 2)
     try:
         for i, (gname, members) in enumerate(groups):
             desc = f"{plan.describe()}: group {i + 1}/{len(groups)} ({gname})"
@@ -115,7 +119,9 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
             else:
                 run_group(ctx, members, desc)
             ctx.finished.update(id(input_module(u)) for u in members)
+            bar.update(1)
     finally:  # a failure mid-chain: the cached inputs' files go too
+        bar.close()
         for c in by_first.values():
             c.release()
     if ctx.unsmoothed:
