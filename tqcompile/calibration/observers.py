@@ -52,7 +52,7 @@ class AmaxObserver:
     Attached, it records nothing but the shape check until `start_max`: the weight transforms run
     the data first, and the activation amaxes must see the weights they leave."""
 
-    def __init__(self, quantizer: Quantizer, role: str, owner: str, static_kind: str | None):
+    def __init__(self, quantizer: Quantizer | None, role: str, owner: str, static_kind: str | None):
         self.quantizer = quantizer
         self.role = role
         self.owner = owner  # the canonical name of the module, for messages
@@ -65,6 +65,7 @@ class AmaxObserver:
 
     @classmethod
     def of(cls, t: TensorQuantizer) -> AmaxObserver:
+        """The observer of `t`'s static amax, for its quantizer as it is now."""
         return cls(t.quantizer, t.role, t.owner, t.static_kind)
 
     def start_max(self, shape: tuple[int, ...], device: torch.device) -> None:
@@ -79,8 +80,8 @@ class AmaxObserver:
         self.hist = torch.zeros(self.stat_max.numel(), HIST_BINS, dtype=torch.float64, device=self.stat_max.device)
 
     def record(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
-        if self.role == "weight":
-            return  # weights are calibrated from the weights
+        if self.role == "weight" or self.quantizer is None:
+            return  # weights are calibrated from the weights; a disabled quantizer needs nothing
         if self.unfit is None:
             try:
                 self.quantizer.check_shape(x.shape)
@@ -130,13 +131,13 @@ class AmaxObserver:
 
 
 def attach_amax_observers(units: list[nn.Module]) -> dict[TensorQuantizer, AmaxObserver]:
-    """An `AmaxObserver` on every enabled quantizer of the converted `units`: from now on they
-    record instead of quantizing (a disabled one has nothing to record and passes its input on)."""
+    """An `AmaxObserver` on every quantizer of the converted `units`: from now on they record
+    instead of quantizing. A disabled one records nothing, but has one too: the model is being
+    calibrated there as well (`tq.calibration.weight_only` refuses to run inside `forward_loop`)."""
     found = {}
     for m in units:
         for t in m.quantizers().values():
-            if t.enabled:
-                t.observer = found[t] = AmaxObserver.of(t)
+            t.observer = found[t] = AmaxObserver.of(t)
     return found
 
 
