@@ -178,7 +178,7 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
     for u in members:
         w = weight_of(u)
         stats[u] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, need_h)
-        # Beside the input's amax observer (which checks the input's shape), first: a NaN input fails in its words.
+        # Beside the input's amax observer, and first: a NaN input is reported as the layer statistics word it.
         t = attached[u] = u.input_quantizer.observer
         u.input_quantizer.observer = stats[u] if t is None else Observers(stats[u], t)
     handles = [_capture_probe(ctx)] if ctx.probe is None else []

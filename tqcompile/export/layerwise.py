@@ -44,7 +44,7 @@ from tqcompile.calibration.layer_stats import TRANSFORM_KINDS, Context, tied_par
 from tqcompile.calibration.modules import convert_module, kind_of
 from tqcompile.calibration.observers import attach_amax_observers, detach_observers
 from tqcompile.calibration.passes import reduce_stats
-from tqcompile.calibration.pipeline import finalize, plan, start_activation_stats, start_histograms, to_convert
+from tqcompile.calibration.pipeline import finalize, plan, quantizers_of, start_activation_stats, start_histograms, to_convert
 from tqcompile.calibration.record import CalibrationRecord, set_record
 from tqcompile.calibration.transforms import run_group
 from tqcompile.export.files import CheckpointFiles
@@ -257,7 +257,7 @@ def _record_activations(planned: list, observers: dict, groups, search: str, run
     `run_once` runs (its argument: whether this is the last run); a second run fills the
     histograms of "percentile" / "mse"."""
     run_once(search == "max")
-    mine = [observers[t] for p in planned for t in p.module.quantizers().values() if t in observers]
+    mine = [observers[t] for t in quantizers_of(planned)]
     reduce_stats([o.stat_max for o in mine if o.stat_max is not None], groups)
     if search != "max":
         hist_observers = start_histograms(planned, observers)
@@ -318,7 +318,7 @@ def calibrate_layerwise(
     try:
         weights.load(outer_modules)
         chain = _capture(model, layers, batches, replay.StreamCache(cache_bytes, cache_dir))
-        outer_data = any(t.role != "weight" and t.static_kind is not None for p in outer for t in p.module.quantizers().values())
+        outer_data = any(t.role != "weight" and t.static_kind is not None for t in quantizers_of(outer))
         if not outer_data:
             weights.release(outer_modules)
         bar = tqdm(total=len(layers), desc=f"calibrating {lname} ({algo.describe()})", unit=" layer", disable=not progress)
