@@ -29,6 +29,8 @@ Straight-through estimators (backward of fake quantization):
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -40,6 +42,7 @@ __all__ = [
     "fake_quantize",
     "fake_quantize_grouped",
     "TensorQuantizer",
+    "Observer",
     "static_amax_kind",
     "static_weight_amax",
     "round_to_nearest",
@@ -165,11 +168,24 @@ def fake_quantize_grouped(
     return _FakeQuantizeGrouped.apply(x, ends, amax, quantizer, ste == "clipped")
 
 
+class Observer(Protocol):
+    """What calibration attaches to a `TensorQuantizer` (`tqcompile.calibration.observers`)."""
+
+    def record(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
+        """See `x` as the quantizer's scaling units see it (`ends`: an experts input's segments)."""
+
+
+# What TensorQuantizers pickled before calibration moved to observers held besides their runtime state.
+_PRE_OBSERVER_FIELDS = ("calibrating", "collect", "stat_max", "hist", "hist_max", "beyond_max", "unfit")
+
+
 class TensorQuantizer(nn.Module):
     """One quantizer slot (input, weight or output) of a fake-quantized module.
 
     Holds the `tq.Quantizer` (None: disabled), the static amax buffer (None until calibrated, or
-    for dynamic scales) and, while calibrating, the statistics. Its buffers are not persistent:
+    for dynamic scales), the straight-through estimator, and how its weight was made (`method`).
+    While calibration has an `observer` attached (`tqcompile.calibration.observers`), its forward
+    records each input through it and returns the input unchanged. Its buffers are not persistent:
     the model's `state_dict` keeps exactly the float model's keys; `tq.quant_state` carries the
     amaxes.
     """
@@ -181,14 +197,16 @@ class TensorQuantizer(nn.Module):
         self.owner = owner  # canonical name of the module this belongs to, for messages
         self.num_experts = num_experts
         self.ste = ste
-        self.calibrating = False
-        # While calibrating: a callable ``observer(x, ends)`` that sees every input before it is
-        # recorded (the weight transforms collect Hessians and channel statistics with it).
-        self.observer = None
-        # How the weight was rounded ("max", "gptq", "awq+max", ...): shown by tq.summary, kept by tq.quant_state.
+        self.observer: Observer | None = None
+        # How the weight was rounded ("max", "gptq", "awq+max", ...): a result of calibration that
+        # travels with the amax (tq.quant_state saves it beside it, tq.restore puts it back, tq.summary shows it).
         self.method: str | None = None
         self.register_buffer("amax", None, persistent=False)
-        self._reset_stats()
+
+    def __setstate__(self, state: dict) -> None:
+        for name in _PRE_OBSERVER_FIELDS:
+            state.pop(name, None)
+        super().__setstate__(state)
 
     # --- state ---------------------------------------------------------------------------------
     @property
@@ -198,14 +216,6 @@ class TensorQuantizer(nn.Module):
     @property
     def static_kind(self) -> str | None:
         return static_amax_kind(self.quantizer, self.role)
-
-    def _reset_stats(self) -> None:
-        self.stat_max: torch.Tensor | None = None  # running max of the amax (per expert: [E])
-        self.hist: torch.Tensor | None = None  # histogram of |x| over [0, hist_max] (percentile, mse)
-        self.hist_max: torch.Tensor | None = None
-        self.collect = "max"  # "max" or "hist": what a calibrating forward records
-        self.unfit: str | None = None  # why the quantizer cannot serve a tensor seen while calibrating
-        self.beyond_max = False  # the histogram pass saw values beyond the max pass's max
 
     def set_amax(self, amax: torch.Tensor | None) -> None:
         self.amax = None if amax is None else amax.detach().to(torch.float32).clone()
@@ -227,7 +237,7 @@ class TensorQuantizer(nn.Module):
     def forward(
         self, x: torch.Tensor, *, channel_dim: int | None = None, ends: torch.Tensor | None = None, unit_dim: int | None = None
     ) -> torch.Tensor:
-        """Fake-quantize `x` (or, while calibrating, record its statistics and return it unchanged).
+        """Fake-quantize `x` (or, with an observer attached, record it and return it unchanged).
 
         `channel_dim`: a conv/norm activation's channel dim, moved last while quantizing so that
         blocks and rows run along channels. `ends`: for an experts input, the (T, in) tokens are
@@ -235,26 +245,24 @@ class TensorQuantizer(nn.Module):
         tokens get that expert's amax. `unit_dim`: the dim whose index is the scaling unit (a KV
         cache's head): a rowwise quantizer sees `x` as one row per index of that dim.
         """
-        if self.observer is not None:
-            self.observer(x, ends)
-        q = self.quantizer
+        q, observer = self.quantizer, self.observer
         if q is None:
+            if observer is not None:  # a disabled input still feeds a weight transform's statistics
+                observer.record(x, ends)
             return x
         if unit_dim is not None and q.layout()[0] is not Granularity.TENSORWISE:
             rows = x.movedim(unit_dim, 0)
             flat = rows.reshape(rows.shape[0], -1)
-            if self.calibrating:
-                self._record(flat, None)
+            if observer is not None:
+                observer.record(flat, None)
                 return x
             return self._fake_quant(flat, None).view(rows.shape).movedim(0, unit_dim)
         moved = channel_dim is not None and q.layout()[0] is not Granularity.TENSORWISE and x.dim() > 1
-        if moved:
-            x = x.movedim(channel_dim, -1)
-        if self.calibrating:
-            self._record(x, ends)
-            y = x
-        else:
-            y = self._fake_quant(x, ends)
+        units = x.movedim(channel_dim, -1) if moved else x
+        if observer is not None:
+            observer.record(units, ends)
+            return x
+        y = self._fake_quant(units, ends)
         return y.movedim(-1, channel_dim) if moved else y
 
     def _fake_quant(self, x: torch.Tensor, ends: torch.Tensor | None) -> torch.Tensor:
@@ -268,57 +276,3 @@ class TensorQuantizer(nn.Module):
             per_expert = None if amax is None else amax.reshape(e)
             return fake_quantize_grouped(x.reshape(e * n, k), q, w_ends, per_expert, ste=self.ste).view(e, n, k)
         return fake_quantize(x, q, amax, ste=self.ste)
-
-    # --- calibration ---------------------------------------------------------------------------
-    def _record(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
-        if self.role == "weight":
-            return  # weights are calibrated from the weights
-        if self.unfit is None:
-            try:
-                self.quantizer.check_shape(x.shape)
-            except ValueError as e:
-                self.unfit = f"its {tuple(x.shape)} {self.role} does not fit: {e}"  # calibrate disables it and says so
-        if self.static_kind is None or self.stat_max is None:
-            return  # dynamic scales need no statistics; none are allocated while weight transforms run
-        if x.numel() == 0:
-            return
-        with torch.no_grad():
-            if not bool(torch.isfinite(x).all()):
-                bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
-                raise ValueError(
-                    f"tq.calibrate: the {self.role} of module {self.owner!r} holds {bad} values during calibration; "
-                    "calibration needs finite activations (check the data and the model's numerics before this layer)"
-                )
-            if self.collect == "hist":
-                self._record_hist(x)
-                return
-            # `calibrate` allocated stat_max (-1: not seen yet); one entry per expert for experts' inputs.
-            if ends is not None:
-                a = gops.grouped_amax(x, self.quantizer, ends, False)
-                seen = torch.diff(ends, prepend=ends.new_zeros(1)) > 0  # an expert without tokens stays unseen
-                self.stat_max = torch.maximum(self.stat_max, torch.where(seen, a, -1.0))
-            elif self.static_kind == "unit":  # KV heads: one row each (`forward`'s unit_dim)
-                from tqcompile.kernels.reference import unit_amax
-
-                self.stat_max = torch.maximum(self.stat_max, unit_amax(x, self.quantizer))
-            else:
-                from tqcompile import ops
-
-                self.stat_max = torch.maximum(self.stat_max, ops.amax(x, self.quantizer))
-
-    def _record_hist(self, x: torch.Tensor) -> None:
-        # One histogram per static amax: `hist` is (units, HIST_BINS), a tensor-level amax one unit.
-        tops = self.hist_max.reshape(-1)
-        rows = x.detach().float().abs().reshape(tops.numel(), -1)
-        for i in range(tops.numel()):
-            top, a = float(tops[i]), rows[i]
-            if bool((a > top).any()):
-                # The second pass saw values beyond the first pass's max (forward_loop ran other data):
-                # histc would drop them, biasing the percentile low; count them in the top bin instead.
-                self.beyond_max = True
-                a = a.clamp(max=top)
-            counts = torch.histc(a, bins=HIST_BINS, min=0.0, max=top if top > 0 else 1.0)
-            self.hist[i] += counts.double()
-
-
-HIST_BINS = 2048

@@ -1,5 +1,6 @@
-"""What the weight transforms share: each layer's input statistics, the weight a layer's GEMM uses,
-the run's context, and the undo log (see `tqcompile.calibration.transforms`)."""
+"""What the weight transforms share: each layer's input statistics (an observer,
+`tqcompile.calibration.observers`), the weight a layer's GEMM uses, the run's context with one
+record per unit, and the undo log (see `tqcompile.calibration.transforms`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from tqcompile.calibration.modules import ExpertGemmQuantizers
 __all__ = [
     "LayerStats",
     "WeightUndo",
+    "UnitRecord",
+    "unit_records",
     "Context",
     "tied_parameters",
     "weight_of",
@@ -46,7 +49,8 @@ class WeightUndo:
 
 
 class LayerStats:
-    """One layer's input statistics (index e: an expert; a Linear has one)."""
+    """One layer's input statistics (index e: an expert; a Linear has one), recorded as the
+    observer of its input quantizer."""
 
     def __init__(self, unit: nn.Module, in_features: int, experts: int, hessian: bool):
         self.unit = unit
@@ -56,7 +60,7 @@ class LayerStats:
         self.abs_sum = torch.zeros(experts, in_features, dtype=torch.float64, device=dev)
         self.h = torch.zeros(experts, in_features, in_features, dtype=torch.float64, device=dev) if hessian else None
 
-    def __call__(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
+    def record(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
         with torch.no_grad():
             x = x.detach().reshape(-1, x.shape[-1]).float()
             if not bool(torch.isfinite(x).all()):
@@ -103,6 +107,27 @@ class LayerStats:
             self.h /= torch.outer(s64, s64)
 
 
+@dataclasses.dataclass(eq=False)
+class UnitRecord:
+    """What the weight transforms did to one converted unit (a Linear, an experts GEMM), for
+    `tqcompile.calibration.pipeline.finalize`."""
+
+    name: str
+    methods: list[str] = dataclasses.field(default_factory=list)  # how its weight was made, in order: "awq", "gptq"
+    amax: torch.Tensor | None = None  # the static weight amax GPTQ fixed: the weight it rounded needs it as it is
+    finished: bool = False  # its group is done: its weight is final
+
+    @property
+    def method(self) -> str | None:
+        """The methods joined ("awq+gptq"), None if no transform ran on the unit."""
+        return "+".join(self.methods) or None
+
+
+def unit_records(named: list[tuple[str, nn.Module]]) -> dict[nn.Module, UnitRecord]:
+    """A fresh record for each (name, unit), keyed by the unit itself."""
+    return {m: UnitRecord(name) for name, m in named}
+
+
 @dataclasses.dataclass
 class Context:
     """One `run_transforms` call: the model, the user's loop, the plan, and what the groups found."""
@@ -114,28 +139,38 @@ class Context:
     amax_groups: tuple
     progress: bool
     undo: WeightUndo
-    names: dict[int, str]
-    tied_ids: set[int]  # parameters that more than one module holds (a tied lm_head and embedding)
+    units: dict[nn.Module, UnitRecord]
+    tied_weights: set[torch.Tensor]  # parameters that more than one module holds (a tied lm_head and embedding)
     device: torch.device
     probe: tuple | None = None  # (args, kwargs) of the model's first call
-    methods: dict[int, list[str]] = dataclasses.field(default_factory=dict)
-    amaxes: dict[int, torch.Tensor | None] = dataclasses.field(default_factory=dict)
-    finished: set[int] = dataclasses.field(default_factory=set)  # layers of earlier groups: their weights are final
     unsmoothed: list[str] = dataclasses.field(default_factory=list)
     fell_back: list[str] = dataclasses.field(default_factory=list)
     fold_runner: object = None  # while a replayed group smooths: its layer on its first cached batch
 
+    def name(self, unit: nn.Module, default: str = "?") -> str:
+        rec = self.units.get(unit)
+        return default if rec is None else rec.name
+
     def tied(self, t: torch.Tensor) -> bool:
         """Whether `t` (a weight, or a view of one) is a parameter another module holds too."""
-        return id(t._base if t._base is not None else t) in self.tied_ids
+        return (t._base if t._base is not None else t) in self.tied_weights
+
+    def finished(self, module: nn.Module) -> bool:
+        """Whether `module` computes a unit of an earlier group (its weight is final)."""
+        return any(rec.finished and input_module(u) is module for u, rec in self.units.items())
+
+    def finish(self, members: list) -> None:
+        """The group of `members` is done: later groups must not change their weights."""
+        for u in members:
+            self.units[u].finished = True
 
 
-def tied_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters held under more than one name (tied weights)."""
-    seen: dict[int, int] = {}
+def tied_parameters(model: nn.Module) -> set[torch.Tensor]:
+    """The parameters held under more than one name (tied weights)."""
+    seen: dict[torch.Tensor, int] = {}  # tensors hash by identity
     for _, p in model.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return {i for i, n in seen.items() if n > 1}
+        seen[p] = seen.get(p, 0) + 1
+    return {p for p, n in seen.items() if n > 1}
 
 
 def weight_of(unit: nn.Module) -> torch.Tensor:

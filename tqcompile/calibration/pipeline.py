@@ -43,9 +43,9 @@ from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.attention import AttentionQuantizers
 from tqcompile.calibration.config import ATTENTION_SLOTS, SLOTS, ConfigError, QuantConfig
-from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer, static_weight_amax
+from tqcompile.calibration.fake_quant import TensorQuantizer, static_weight_amax
 from tqcompile.calibration.fused import share_fused_weight_amax
-from tqcompile.calibration.layer_stats import WeightUndo
+from tqcompile.calibration.layer_stats import UnitRecord, WeightUndo
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
     SHARDED_FIX,
@@ -63,30 +63,26 @@ from tqcompile.calibration.modules import (
     unsupported_reason,
     weight_view,
 )
+from tqcompile.calibration.observers import HIST_BINS, AmaxObserver, attach_amax_observers, detach_observers
 from tqcompile.calibration.passes import CalibrationWarning
 from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
+from tqcompile.calibration.record import CalibrationRecord, set_record
 from tqcompile.calibration.replay import StreamCache
 from tqcompile.calibration.transforms import run_transforms
 from tqcompile.quantizers import Granularity, Quantizer, geometry
 from tqcompile.surgery.checks import check_not_meta, check_not_sharded
-from tqcompile.surgery.names import canonical_modules, unwrap
+from tqcompile.surgery.names import canonical_modules
 from tqcompile.surgery.plan import Decision, Undo, apply
 
 __all__ = ["calibrate", "prepare", "ALGORITHMS", "CalibrationWarning"]
 
+# `CalibrationRecord` (imported above) stays reachable here: pickles of models calibrated before it
+# moved to `tqcompile.calibration.record` name this module.
+
 ALGORITHMS = (*SCALE_SEARCH, "gptq", "awq", "smoothquant")
 _MSE_CANDIDATES = 128
 _WEIGHT_MSE_RATIOS = 40  # clipping ratios 0.5 ... 1.0 tried per weight unit
-
-
-@dataclasses.dataclass(frozen=True)
-class CalibrationRecord:
-    """What `tq.quant_state` saves besides the amaxes (kept on the calibrated model)."""
-
-    config: QuantConfig
-    algorithm: str
-    percentile: float
 
 
 def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) -> list[Decision]:
@@ -278,17 +274,16 @@ def calibrate(
     saved_buffers = {id(b): b.detach().clone() for b in model.buffers()}
     undo, surgery = WeightUndo(), Undo()
     buffers = list(model.buffers())
+    observers = {}
     try:
         surgery = apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
-        tqs = quantizers_of(planned)
-        for t in tqs:
-            t.calibrating = True
-        methods, fixed = {}, {}
+        observers = attach_amax_observers([p.module for p in planned])
+        records = {}
         if algo.transforms:
-            # First, while the quantizers only record shapes: the activation amaxes below must see the final weights.
+            # First, while the observers only check shapes: the activation amaxes below must see the final weights.
             new_cache = functools.partial(StreamCache, cache_bytes, cache_dir)
-            methods, fixed = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo, new_cache)
-        start_activation_stats(planned)
+            records = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo, new_cache)
+        start_activation_stats(planned, observers)
         search = algo.scale_search
         if forward_loop is None:
             _check_data_free(planned)
@@ -302,13 +297,14 @@ def calibrate(
                 "calibrating" if search == "max" else "calibrating (1/2: max)",
                 progress,
             )
-        _reduce([t.stat_max for t in tqs if t.stat_max is not None], groups)
+        _reduce([o.stat_max for o in observers.values() if o.stat_max is not None], groups)
         if search != "max":
-            hist_tqs = start_histograms(tqs)
+            hist_observers = start_histograms(planned, observers)
             _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
-            _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
-        finalize(planned, search, percentile, groups, methods, fixed)
+            _reduce([o.hist for o in hist_observers], groups, op=dist.ReduceOp.SUM)
+        finalize(planned, observers, search, percentile, groups, records)
     except BaseException:
+        detach_observers(observers)
         undo.restore()
         surgery.undo()
         with torch.no_grad():
@@ -318,14 +314,6 @@ def calibrate(
         raise
     set_record(model, [p.module for p in planned], CalibrationRecord(config, algo.describe(), float(percentile)))
     return model
-
-
-def set_record(model: nn.Module, converted: list[nn.Module], record: CalibrationRecord) -> None:
-    """Keep `record` on the model (inside any DDP / compile wrapper, so it survives (un)wrapping) and on
-    every converted module, so that `tq.quant_state` of a submodule (e.g. the inner model of a wrapper
-    tqcompile does not strip) finds it too."""
-    for m in (unwrap(model), *converted):
-        m.tq_calibration = record
 
 
 def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
@@ -373,25 +361,21 @@ def _warn_training(model: nn.Module) -> None:
         )
 
 
-def start_activation_stats(planned: list[Decision]) -> None:
-    """Every static activation amax of the planned units starts recording its running max."""
+def start_activation_stats(planned: list[Decision], observers: dict[TensorQuantizer, AmaxObserver]) -> None:
+    """The observer of every static activation amax of the planned units starts recording its running max."""
     for p in planned:
         for t in p.module.quantizers().values():
             if t.role != "weight" and t.static_kind is not None:
-                # Every rank holds every statistic, seen or not (-1: no data yet), so the
-                # reductions line up across ranks whatever data each one got.
-                shape = static_amax_shape(p.module, t.role, t.quantizer)
-                t.stat_max = torch.full(shape, -1.0, device=module_device(p.module))
+                observers[t].start_max(static_amax_shape(p.module, t.role, t.quantizer), module_device(p.module))
 
 
-def start_histograms(tqs: list[TensorQuantizer]) -> list[TensorQuantizer]:
-    """The quantizers of `tqs` whose amax a histogram decides ("percentile", "mse"), each set to
-    fill one over [0, its recorded max] on the next pass."""
-    hist_tqs = [t for t in tqs if _uses_histogram(t)]
-    for t in hist_tqs:
-        t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
-        t.hist = torch.zeros(t.stat_max.numel(), HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
-    return hist_tqs
+def start_histograms(planned: list[Decision], observers: dict[TensorQuantizer, AmaxObserver]) -> list[AmaxObserver]:
+    """The observers of the planned units' quantizers whose amax a histogram decides ("percentile",
+    "mse"), each set to fill one over [0, its recorded max] on the next pass."""
+    found = [observers[t] for t in quantizers_of(planned) if _uses_histogram(t)]
+    for o in found:
+        o.start_histogram()
+    return found
 
 
 def to_convert(decisions: list[Decision]) -> list[Decision]:
@@ -442,29 +426,37 @@ def check_data_free(units: list[tuple[str, nn.Module]], who: str = "tq.calibrate
         )
 
 
-def finalize(planned: list[Decision], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
-    """Turn statistics into amaxes. `fixed`: {id(unit): weight amax} a transform (GPTQ) chose, which
-    the weight it rounded needs as it is; `methods`: {id(unit): how its weight was rounded}."""
-    methods, fixed = methods or {}, fixed or {}
+def finalize(
+    planned: list[Decision],
+    observers: dict[TensorQuantizer, AmaxObserver],
+    algorithm: str,
+    percentile: float,
+    groups,
+    records: dict[nn.Module, UnitRecord] | None = None,
+) -> None:
+    """Turn the planned units' statistics into amaxes and take their observers off. `records`: what
+    the weight transforms did to each unit (how its weight was made; the weight amax GPTQ fixed,
+    which the weight it rounded needs as it is)."""
+    records = records or {}
     weight_amaxes, unfit, beyond = [], [], []
+    detach_observers(quantizers_of(planned))
     for p in planned:
-        m = p.module
+        m, rec = p.module, records.get(p.module)
         for slot, t in m.quantizers().items():
-            t.calibrating = False
-            if t.beyond_max:
+            obs = observers.get(t)
+            if obs is not None and obs.beyond_max:
                 beyond.append(f"{p.name or '<root>'}.{slot}")
-            if t.unfit is not None:
-                unfit.append(f"  {p.name} ({class_name(m)}): {slot} quantizer disabled, {t.unfit}")
+            if obs is not None and obs.unfit is not None:
+                unfit.append(f"  {p.name} ({class_name(m)}): {slot} quantizer disabled, {obs.unfit}")
                 t.quantizer = None
             if t.quantizer is not None and t.static_kind is not None:
                 if slot == "weight":
-                    t.set_amax(fixed[id(m)] if id(m) in fixed else weight_amax(m, t, algorithm))
+                    t.set_amax(rec.amax if rec is not None and rec.amax is not None else weight_amax(m, t, algorithm))
                     weight_amaxes.append(t.amax)
                 else:
-                    t.set_amax(_activation_amax(p.name, t, algorithm, percentile))
+                    t.set_amax(_activation_amax(p.name, t, obs, algorithm, percentile))
             if slot == "weight" and t.quantizer is not None:
-                t.method = methods.get(id(m), algorithm)
-            t._reset_stats()
+                t.method = (rec.method if rec is not None else None) or algorithm
     if unfit:
         warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(unfit), CalibrationWarning, stacklevel=3)
     if beyond:
@@ -483,24 +475,24 @@ def finalize(planned: list[Decision], algorithm: str, percentile: float, groups,
     share_fused_weight_amax([(p.name, p.module) for p in planned])
 
 
-def _activation_amax(name: str, t: TensorQuantizer, algorithm: str, percentile: float) -> torch.Tensor:
-    if bool((t.stat_max < 0).all()):
+def _activation_amax(name: str, t: TensorQuantizer, obs: AmaxObserver, algorithm: str, percentile: float) -> torch.Tensor:
+    if bool((obs.stat_max < 0).all()):
         raise RuntimeError(
             f"tq.calibrate: the {t.role} quantizer of {name!r} saw no data during calibration (the module never ran); "
             f"run data through it in forward_loop, or disable it with QuantRule(name={name!r}, {t.role}=False)"
         )
     if t.num_experts is not None:
-        return _expert_amax(name, t.stat_max)
+        return _expert_amax(name, obs.stat_max)
     if not _uses_histogram(t) or algorithm == "max":
-        return t.stat_max
+        return obs.stat_max
     # One histogram per static amax (a KV cache's heads; one for a tensor-level amax), each searched
     # with the quantizer one unit sees: tensorwise.
     q = t.quantizer
     if q.layout()[0] is not Granularity.TENSORWISE:
         q = dataclasses.replace(q, granularity=Granularity.TENSORWISE)
-    tops = t.hist_max.reshape(-1)
-    found = [_histogram_amax(t.hist[i], float(tops[i]), q, algorithm, percentile) for i in range(tops.numel())]
-    return torch.stack(found).reshape(t.stat_max.shape).to(t.stat_max.device)
+    tops = obs.hist_max.reshape(-1)
+    found = [_histogram_amax(obs.hist[i], float(tops[i]), q, algorithm, percentile) for i in range(tops.numel())]
+    return torch.stack(found).reshape(obs.stat_max.shape).to(obs.stat_max.device)
 
 
 def _histogram_amax(hist: torch.Tensor, top: float, q: Quantizer, algorithm: str, percentile: float) -> torch.Tensor:

@@ -36,7 +36,7 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> 
     for fold in folds:
         try:
             s = (
-                _smoothquant_scales(fold, stats[id(fold.consumers[0])], algo)
+                _smoothquant_scales(fold, stats[fold.consumers[0]], algo)
                 if name == "smoothquant"
                 else _awq_scales(fold, stats, algo)
             )
@@ -58,17 +58,17 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> 
             ]
             continue
         for u in fold.consumers:
-            stats[id(u)].rescale(s)
-            ctx.methods[id(u)].append(name)
+            stats[u].rescale(s)
+            ctx.units[u].methods.append(name)
             smoothed.append(u)
     clip = isinstance(algo, AWQ) and algo.clip
     for u, reason in left:
-        ctx.unsmoothed.append(f"  {ctx.names.get(id(u), '?')}: {reason}" + ("; weight clipping search only" if clip else ""))
+        ctx.unsmoothed.append(f"  {ctx.name(u)}: {reason}" + ("; weight clipping search only" if clip else ""))
         if clip:
-            ctx.methods[id(u)].append("awq-clip")
+            ctx.units[u].methods.append("awq-clip")
     if clip:  # after every fold of the group: a later fold may still rescale an earlier layer's rows
         for u in [*smoothed, *(u for u, _ in left)]:
-            _awq_clip(ctx, u, stats[id(u)], algo)
+            _awq_clip(ctx, u, stats[u], algo)
 
 
 def _runner(ctx: Context):
@@ -164,7 +164,7 @@ def _norm_fold(ctx: Context, producer, pname, channels, members, readers, record
         for mid, m in readers.items()
         if reads(mid) and mid not in consumer_modules and m._parameters["weight"].shape[-1] == channels
     ]
-    if any(id(m) in ctx.finished for m in passive) or any(ctx.tied(weight_of(u)) for u in consumers):
+    if any(ctx.finished(m) for m in passive) or any(ctx.tied(weight_of(u)) for u in consumers):
         return None
     return Fold(producer, pname, "norm", consumers, passive)
 
@@ -185,7 +185,7 @@ def _linear_fold(ctx: Context, u, members, recorder, run, baseline, channels) ->
         and not ctx.tied(weight_of(p))
     ]
     for p in sorted(before, key=lambda p: -recorder.order[id(p)]):
-        fold = Fold(p, ctx.names.get(id(p), ""), "linear", [u], [])
+        fold = Fold(p, ctx.name(p, ""), "linear", [u], [])
         if prove_fold(fold, run, baseline, weight_of, channels, seed=mine):
             return fold
     return None
@@ -193,8 +193,8 @@ def _linear_fold(ctx: Context, u, members, recorder, run, baseline, channels) ->
 
 def _take_first_ranks(ctx: Context, folds: list[Fold], members: list) -> list[Fold]:
     """The folds of each amax group's first rank, by name, on every rank of the group."""
-    by_name = dict(canonical_modules(ctx.model))  # as the units are named (ctx.names)
-    unit_names = {id(u): ctx.names.get(id(u), "") for u in members}
+    by_name = dict(canonical_modules(ctx.model))  # as the units are named (ctx.units)
+    unit_names = {id(u): ctx.name(u, "") for u in members}
     units = {n: u for u in members if (n := unit_names[id(u)])}
     module_names = {id(m): n for n, m in by_name.items()}
     sig = [
@@ -221,14 +221,14 @@ def _smoothquant_scales(fold: Fold, st: LayerStats, algo: SmoothQuant) -> torch.
 def _awq_scales(fold: Fold, stats: dict, algo: AWQ) -> torch.Tensor:
     weights, quantizers, hessians = [], [], []
     for u in fold.consumers:
-        st = stats[id(u)]
+        st = stats[u]
         share = st.n / st.n.sum().clamp(min=1)  # experts: each one's error counts by its share of the tokens
         for e, w in per_expert(u):
             if st.n[e] > 0:
                 weights.append(w.detach())  # in its own dtype: the search rounds the folded weight as the model stores it
                 quantizers.append(u.weight_quantizer.quantizer)
                 hessians.append(st.hessian(e) * share[e])
-    x_mean = stats[id(fold.consumers[0])].x_mean()
+    x_mean = stats[fold.consumers[0]].x_mean()
     if not weights:
         return torch.ones_like(x_mean)
     return awq_scales(weights, quantizers, hessians, x_mean, algo)
@@ -236,7 +236,7 @@ def _awq_scales(fold: Fold, stats: dict, algo: AWQ) -> torch.Tensor:
 
 def _awq_clip(ctx: Context, unit, st: LayerStats, algo: AWQ) -> None:
     q = unit.weight_quantizer.quantizer
-    name = ctx.names.get(id(unit), "?")
+    name = ctx.name(unit)
     if ctx.tied(weight_of(unit)):
         ctx.unsmoothed.append(f"  {name}: no clipping, its weight is tied to another module's")
         return

@@ -46,7 +46,8 @@ from tqcompile.calibration.modules import (
     unit_slots,
     unsupported_reason,
 )
-from tqcompile.calibration.pipeline import CalibrationRecord, CalibrationWarning, set_record
+from tqcompile.calibration.passes import CalibrationWarning
+from tqcompile.calibration.record import CalibrationRecord, set_record
 from tqcompile.quantizers import Granularity, IntGrid, IntQuantizer, MXQuantizer, NVFP4Quantizer, Quantizer
 from tqcompile.surgery.checks import check_not_sharded
 from tqcompile.surgery.names import canonical_modules

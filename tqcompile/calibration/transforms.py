@@ -40,12 +40,15 @@ from tqcompile.calibration.layer_stats import (
     TRANSFORM_KINDS,
     Context,
     LayerStats,
+    UnitRecord,
     input_module,
     per_expert,
     tied_parameters,
+    unit_records,
     weight_of,
 )
 from tqcompile.calibration.modules import kind_of, module_device
+from tqcompile.calibration.observers import Observers
 from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_loop
 from tqcompile.calibration.smoothing import smooth
 from tqcompile.surgery.names import canonical_modules, unwrap
@@ -81,15 +84,17 @@ def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[t
     return groups
 
 
-def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo, new_cache=replay.StreamCache):
-    """Run `plan`'s weight transforms on the planned (converted, calibrating) units; returns
-    ({id(unit): method}, {id(unit): static weight amax fixed by GPTQ}). `new_cache()` makes the
-    `replay.StreamCache` a chain's cached inputs go to."""
+def run_transforms(
+    model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo, new_cache=replay.StreamCache
+) -> dict[nn.Module, UnitRecord]:
+    """Run `plan`'s weight transforms on the planned (converted, calibrating) units; returns each
+    unit's record (how its weight was made, the static weight amax GPTQ fixed). `new_cache()`
+    makes the `replay.StreamCache` a chain's cached inputs go to."""
     root = unwrap(model)
-    names = {id(p.module): p.name for p in planned}
+    records = unit_records([(p.name, p.module) for p in planned])
     units = [(p.name, p.module) for p in planned if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]
     device = module_device(units[0][1]) if units else torch.device("cpu")
-    ctx = Context(model, root, forward_loop, plan, tuple(amax_groups), progress, undo, names, tied_parameters(model), device)
+    ctx = Context(model, root, forward_loop, plan, tuple(amax_groups), progress, undo, records, tied_parameters(model), device)
     groups = sequential_groups(model, units, sequential)
     by_first = {c.first: c for c in (replay.chains(model, [g for g, _ in groups]) if REPLAY and sequential else [])}
     chain = None
@@ -118,7 +123,7 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
                     chain.release()
             else:
                 run_group(ctx, members, desc)
-            ctx.finished.update(id(input_module(u)) for u in members)
+            ctx.finish(members)
             bar.update(1)
     finally:  # a failure mid-chain: the cached inputs' files go too
         bar.close()
@@ -137,7 +142,7 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
             CalibrationWarning,
             stacklevel=3,
         )
-    return {k: "+".join(v) for k, v in ctx.methods.items()}, ctx.amaxes
+    return ctx.units
 
 
 def _first_of_chain(ctx: Context, chain, members: list, desc: str, cache: replay.StreamCache) -> bool:
@@ -175,11 +180,13 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
     transform and round its layers."""
     plan = ctx.plan
     need_h = plan.gptq is not None or isinstance(plan.smoothing, AWQ)
-    stats = {}
+    stats, attached = {}, {}
     for u in members:
         w = weight_of(u)
-        stats[id(u)] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, need_h)
-        u.input_quantizer.observer = stats[id(u)]
+        stats[u] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, need_h)
+        # Beside the input's amax observer, and first: a NaN input is reported as the layer statistics word it.
+        t = attached[u] = u.input_quantizer.observer
+        u.input_quantizer.observer = stats[u] if t is None else Observers(stats[u], t)
     handles = [_capture_probe(ctx)] if ctx.probe is None else []
     # The producers of the layers' inputs are recorded on the first call of the model, or of the
     # replayed layer (they are inside it).
@@ -190,38 +197,36 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
         else:
             run_data()
     finally:
-        for u in members:
-            u.input_quantizer.observer = None
+        for u, t in attached.items():
+            u.input_quantizer.observer = t
         for h in handles:
             h.remove()
         if recorder is not None:
             recorder.remove()
     reduce_stats([t for s in stats.values() for t in s.tensors()], ctx.amax_groups, op=torch.distributed.ReduceOp.SUM)
     reduce_stats([s.ch_max for s in stats.values()], ctx.amax_groups)
-    for u in members:
-        ctx.methods.setdefault(id(u), [])
     if plan.smoothing is not None:
         smooth(ctx, members, stats, recorder)
     held = _fused_nvfp4_amax(ctx, members) if plan.gptq is not None else {}
     for u in members:
         if plan.gptq is not None:
-            _gptq(ctx, u, stats[id(u)], held.get(id(u)))
+            _gptq(ctx, u, stats[u], held.get(u))
         else:
-            ctx.methods[id(u)].append(plan.scale_search)
+            ctx.units[u].methods.append(plan.scale_search)
 
 
 # ------------------------------------------------------------------------------------------------
 # GPTQ
 # ------------------------------------------------------------------------------------------------
 def _fused_nvfp4_amax(ctx: Context, members: list) -> dict[int, torch.Tensor]:
-    """{id(unit): amax} for NVFP4 Linear weights an engine fuses into one GEMM (q/k/v, gate/up: one
+    """{unit: amax} for NVFP4 Linear weights an engine fuses into one GEMM (q/k/v, gate/up: one
     global scale, `tqcompile.calibration.fused`): the max of their tensor amaxes before any is
     rounded, so each is rounded under the global scale it computes and is served with."""
-    named = [(ctx.names.get(id(u), ""), u) for u in members]
+    named = [(ctx.name(u, ""), u) for u in members]
     held = {}
     for group in fused_nvfp4_groups(named, lambda u: u.weight_quantizer.quantizer if weight_of(u).dim() == 2 else None):
         top = shared_amax([static_weight_amax(weight_of(u).detach().float(), u.weight_quantizer.quantizer) for _, u in group])
-        held.update({id(u): top for _, u in group})
+        held.update({u: top for _, u in group})
     return held
 
 
@@ -229,10 +234,10 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
     """GPTQ-round the unit's weight in place (per expert), and fix its static amax (`held_amax`: an
     NVFP4 tensor amax shared by a fused group)."""
     t = unit.weight_quantizer
-    q, kind, name = t.quantizer, t.static_kind, ctx.names.get(id(unit), "?")
+    q, kind, name = t.quantizer, t.static_kind, ctx.name(unit)
     if ctx.tied(weight_of(unit)):
         ctx.fell_back.append(f"  {name}: its weight is tied to another module's (rounding it would change that module too)")
-        ctx.methods[id(unit)].append(ctx.plan.scale_search)
+        ctx.units[unit].methods.append(ctx.plan.scale_search)
         return
     amaxes, hows = [], set()
     with torch.no_grad():
@@ -254,11 +259,12 @@ def _gptq(ctx: Context, unit, st: LayerStats, held_amax: torch.Tensor | None = N
             w.copy_(qw.to(w.dtype))
             amaxes.append(amax)
             hows.add(how)
-    ctx.methods[id(unit)].append("gptq" if "gptq" in hows else "rtn")
+    rec = ctx.units[unit]
+    rec.methods.append("gptq" if "gptq" in hows else "rtn")
     if kind is None:
-        ctx.amaxes[id(unit)] = None
+        rec.amax = None
     elif weight_of(unit).dim() == 3:
         stacked = torch.stack([a.float() for a in amaxes])
-        ctx.amaxes[id(unit)] = stacked.reshape(-1, 1, 1) if kind == "tensor" else stacked
+        rec.amax = stacked.reshape(-1, 1, 1) if kind == "tensor" else stacked
     else:
-        ctx.amaxes[id(unit)] = amaxes[0]
+        rec.amax = amaxes[0]

@@ -52,7 +52,7 @@ def weight_only(model: nn.Module) -> Iterator[nn.Module]:
             f"tq.calibration.weight_only: {type(model).__name__} holds no fake-quantized module; it takes a model "
             "made by tq.calibrate, tq.restore or tq.load_exported (a tq.convert model quantizes as its recipe says)"
         )
-    busy = [m.owner for m in slots if m.calibrating]
+    busy = [m.owner for m in slots if m.observer is not None]
     if busy:
         raise ValueError(
             f"tq.calibration.weight_only: the model is being calibrated (module {busy[0]!r} records statistics); "

@@ -108,7 +108,7 @@ def _bytes(t: torch.Tensor) -> int:
 
 def _static_amax(tq, what: str) -> torch.Tensor | None:
     """The weight quantizer's calibrated amax; an error where calibration has not set one."""
-    if tq.calibrating:
+    if tq.observer is not None:
         raise RuntimeError(f"tq.compress: {what} is still calibrating; compress after tq.calibrate returns")
     if tq.static_kind is not None and tq.amax is None:
         raise RuntimeError(f"tq.compress: {what} has no calibrated weight amax; calibrate (tq.calibrate) or restore (tq.restore) it first")

@@ -40,19 +40,12 @@ from torch import nn
 
 from tqcompile.calibration import replay
 from tqcompile.calibration.algorithms import Algorithm
-from tqcompile.calibration.layer_stats import TRANSFORM_KINDS, Context, input_module, tied_parameters
+from tqcompile.calibration.layer_stats import TRANSFORM_KINDS, Context, tied_parameters, unit_records
 from tqcompile.calibration.modules import convert_module, kind_of
+from tqcompile.calibration.observers import attach_amax_observers, detach_observers
 from tqcompile.calibration.passes import reduce_stats
-from tqcompile.calibration.pipeline import (
-    CalibrationRecord,
-    finalize,
-    plan,
-    quantizers_of,
-    set_record,
-    start_activation_stats,
-    start_histograms,
-    to_convert,
-)
+from tqcompile.calibration.pipeline import finalize, plan, quantizers_of, start_activation_stats, start_histograms, to_convert
+from tqcompile.calibration.record import CalibrationRecord, set_record
 from tqcompile.calibration.transforms import run_group
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.readers import trim_heap
@@ -259,17 +252,17 @@ def _outer_pass(model: nn.Module, layers: nn.ModuleList, batches: list, chain: r
             _run_model(model, b)
 
 
-def _record_activations(units: list, groups, search: str, run_once: Callable[[bool], None]) -> None:
-    """Record the static activation amaxes of `units` (converted modules) on the data `run_once`
-    runs (its argument: whether this is the last run); a second run fills the histograms of
-    "percentile" / "mse"."""
-    tqs = [t for u in units for t in u.quantizers().values()]
+def _record_activations(planned: list, observers: dict, groups, search: str, run_once: Callable[[bool], None]) -> None:
+    """Record the static activation amaxes of the `planned` units (their `observers`) on the data
+    `run_once` runs (its argument: whether this is the last run); a second run fills the
+    histograms of "percentile" / "mse"."""
     run_once(search == "max")
-    reduce_stats([t.stat_max for t in tqs if t.stat_max is not None], groups)
+    mine = [observers[t] for t in quantizers_of(planned)]
+    reduce_stats([o.stat_max for o in mine if o.stat_max is not None], groups)
     if search != "max":
-        hist_tqs = start_histograms(tqs)
+        hist_observers = start_histograms(planned, observers)
         run_once(True)
-        reduce_stats([t.hist for t in hist_tqs if t.hist is not None], groups, op=torch.distributed.ReduceOp.SUM)
+        reduce_stats([o.hist for o in hist_observers], groups, op=torch.distributed.ReduceOp.SUM)
 
 
 def calibrate_layerwise(
@@ -294,8 +287,7 @@ def calibrate_layerwise(
     groups = tuple(amax_groups)
     planned = to_convert(plan(model, config))
     apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
-    for t in quantizers_of(planned):
-        t.calibrating = True
+    observers = attach_amax_observers([p.module for p in planned])
     lname, layers = decoder_layers(model)
     prefix = f"{lname}."
     inside: list[list] = [[] for _ in layers]
@@ -320,7 +312,8 @@ def calibrate_layerwise(
     in_layers = {id(m) for m in layers.modules()}
     outer_modules = [m for m in model.modules() if id(m) not in in_layers]
     changed = _Changed()
-    ctx = Context(model, model, None, algo, groups, progress, changed, {id(p.module): p.name for p in planned}, tied_parameters(model), torch.device("cpu"))
+    records = unit_records([(p.name, p.module) for p in planned])
+    ctx = Context(model, model, None, algo, groups, progress, changed, records, tied_parameters(model), torch.device("cpu"))
     chain = None
     try:
         weights.load(outer_modules)
@@ -338,23 +331,23 @@ def calibrate_layerwise(
                     run_group(ctx, units, f"{algo.describe()}: layer {i}", lambda i=i: replay.replay(chain, i, advance=False), layer)
                 finally:
                     ctx.fold_runner = None
-                ctx.finished.update(id(input_module(u)) for u in units)
-            start_activation_stats(inside[i])
-            _record_activations([p.module for p in inside[i]], groups, algo.scale_search, lambda last, i=i: replay.replay(chain, i, advance=last))
-            methods = {k: "+".join(v) for k, v in ctx.methods.items()}
-            finalize(inside[i], algo.scale_search, percentile, groups, methods, ctx.amaxes)
+                ctx.finish(units)
+            start_activation_stats(inside[i], observers)
+            _record_activations(inside[i], observers, groups, algo.scale_search, lambda last, i=i: replay.replay(chain, i, advance=last))
+            finalize(inside[i], observers, algo.scale_search, percentile, groups, records)
             overlay.write(f"{i}", {weights.name_of(p): p.detach() for p in layer.parameters() if id(p) in changed.ids})
             weights.release(list(layer.modules()))
             bar.update(1)
         bar.close()
         if outer:
             weights.load(outer_modules)
-            start_activation_stats(outer)
+            start_activation_stats(outer, observers)
             if outer_data:
-                _record_activations([p.module for p in outer], groups, algo.scale_search, lambda last: _outer_pass(model, layers, batches, chain))
-            finalize(outer, algo.scale_search, percentile, groups)
+                _record_activations(outer, observers, groups, algo.scale_search, lambda last: _outer_pass(model, layers, batches, chain))
+            finalize(outer, observers, algo.scale_search, percentile, groups)
         weights.release(outer_modules)
     except BaseException:
+        detach_observers(observers)
         overlay.close()
         raise
     finally:

@@ -1,0 +1,111 @@
+"""Calibration records through observers (tqcompile.calibration.observers); a `TensorQuantizer`
+holds only what the calibrated model runs with, during and after `tq.calibrate`, also when it fails,
+and in pickles made before observers existed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tqcompile as tq
+from tqcompile.calibration import TensorQuantizer, fake_quantize
+from tqcompile.calibration.record import CalibrationRecord
+
+DATA = Path(__file__).parent / "data"
+
+# What a TensorQuantizer holds besides nn.Module's own state: its runtime state, the slot an
+# observer is attached to while calibrating, and how its weight was made (a result).
+RUNTIME = {"quantizer", "role", "owner", "num_experts", "ste", "observer", "method"}
+
+
+def _fields(t: TensorQuantizer) -> set[str]:
+    return {k for k in vars(t) if not k.startswith("_") and k != "training"}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).eval()
+
+
+BATCHES = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def _loop(m):
+    for x in BATCHES:
+        m(x)
+
+
+@pytest.mark.parametrize("algorithm", ["percentile", "gptq"])
+def test_calibrated_quantizers_hold_only_runtime_state(algorithm):
+    model = tq.calibrate(_model(), tq.configs.int8(), _loop, algorithm=algorithm, progress=False)
+    tqs = [m for m in model.modules() if isinstance(m, TensorQuantizer)]
+    assert len(tqs) == 6
+    for t in tqs:
+        assert _fields(t) == RUNTIME, t.owner
+        assert set(t._buffers) == {"amax"} and t.observer is None
+    assert model[0].weight_quantizer.method == algorithm
+
+
+def test_a_failing_calibrate_leaves_no_observer_attached():
+    """A forward_loop that fails in the weight transforms' pass (GPTQ's statistics attached beside
+    the amax observers): every quantizer it saw quantizes again, holding nothing of calibration."""
+    seen: list[TensorQuantizer] = []
+
+    def loop(m):
+        seen.extend(t for t in m.modules() if isinstance(t, TensorQuantizer))
+        m(BATCHES[0])
+        raise KeyError("data loader broke")
+
+    model = _model()
+    with pytest.raises(KeyError, match="data loader broke"):
+        tq.calibrate(model, tq.configs.int8(), loop, algorithm="gptq", progress=False)
+    assert not any(isinstance(m, TensorQuantizer) for m in model.modules())  # the conversion was undone
+    assert len(seen) == 6
+    x = BATCHES[1]
+    for t in seen:
+        assert _fields(t) == RUNTIME and t.observer is None
+        if t.enabled:  # quantizes (no static amax: from x), not records
+            assert torch.equal(t(x), fake_quantize(x, t.quantizer))
+
+
+class _Seen:
+    def __init__(self):
+        self.inputs = []
+
+    def record(self, x, ends):
+        self.inputs.append((x, ends))
+
+
+def test_an_attached_observer_sees_the_scaling_units_and_the_input_passes_unchanged():
+    t = TensorQuantizer(tq.IntQuantizer(granularity=tq.Granularity.ROWWISE), "input", "conv")
+    t.observer = seen = _Seen()
+    x = torch.randn(2, 3, 4, 4)
+    assert t(x, channel_dim=1) is x
+    (got, ends), = seen.inputs
+    assert torch.equal(got, x.movedim(1, -1)) and ends is None
+    t.observer = None
+    assert not torch.equal(t(x, channel_dim=1), x)
+
+
+def test_a_model_pickled_before_observers_loads_and_computes_as_it_did():
+    """tests/data/calibrated_model_before_observers.pt: `torch.save` of a GPTQ-calibrated model by tq
+    before calibration moved to observers (its TensorQuantizers held calibrating, stat_max, hist,
+    ...; its record named tqcompile.calibration.pipeline.CalibrationRecord)."""
+    saved = torch.load(DATA / "calibrated_model_before_observers.pt", weights_only=False)
+    model = saved["model"]
+    for t in (m for m in model.modules() if isinstance(m, TensorQuantizer)):
+        assert _fields(t) == RUNTIME and t.observer is None
+    with torch.no_grad():
+        assert torch.equal(model(saved["x"]), saved["y"])
+    assert str(tq.summary(model)) == saved["summary"]
+    assert isinstance(model.tq_calibration, CalibrationRecord)  # found under its old module's name
+    assert tq.quant_state(model)["algorithm"].startswith("GPTQ(")
+
+
+def test_quant_state_does_not_import_the_pipeline():
+    from test_import_graph import import_graph
+
+    assert "tqcompile.calibration.pipeline" not in import_graph()["tqcompile.calibration.state"]
