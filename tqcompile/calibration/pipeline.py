@@ -21,6 +21,13 @@ Algorithms, for the static activation amaxes of quantizers with a per-element er
 - "mse": the clipping value (among up to 128 bin edges, spaced geometrically) that
   minimises the expected squared error of ``tq.quantize(v, q, amax=c).dequantize()`` over it.
 
+Per-layer (TENSORWISE) KV-cache amaxes (`tq.configs.fp8_kv_cache()`) have their own search,
+`kv_scale_search`, "mse" by default whatever `algorithm` names: one FP8 scale covers a layer's
+keys, whose largest entries are rare outliers; there the error search gave a lower KL than the
+largest |k| on every model and row measured (docs/ptq.md, "Perplexity with an FP8 KV cache"). Per
+KV head the largest |k| measured better, so per-head amaxes follow `algorithm` unless
+`kv_scale_search` is named.
+
 NVFP4 global amaxes and per-expert input amaxes always use "max". Weights use "max", except that
 "mse" also searches a per-unit clipping ratio of the weight amax that minimises each unit's error.
 NVFP4 weights that serving engines fuse into one GEMM (q/k/v, gate/up) then get one amax, the max
@@ -41,7 +48,7 @@ from torch import nn
 from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.attention import AttentionQuantizers
-from tqcompile.calibration.config import ATTENTION_SLOTS, SLOTS, ConfigError, QuantConfig
+from tqcompile.calibration.config import ATTENTION_SLOTS, KV_SLOTS, SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import HIST_BINS, TensorQuantizer, static_weight_amax
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.layer_stats import WeightUndo
@@ -175,7 +182,7 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
     return planned
 
 
-def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups) -> tuple:
+def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups, kv_scale_search) -> tuple:
     if not isinstance(model, nn.Module):
         raise TypeError(f"tq.calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(config, QuantConfig):
@@ -191,6 +198,11 @@ def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
         raise ValueError(
             f"tq.calibrate: algorithm={algo.describe()!r} needs calibration data; forward_loop=None (data-free) allows "
             "'max' only: static weight amaxes from the weights, round to nearest"
+        )
+    if kv_scale_search is not None and kv_scale_search not in SCALE_SEARCH:
+        raise ValueError(
+            f"tq.calibrate: kv_scale_search={kv_scale_search!r} is not allowed; allowed: None (per-layer KV amaxes 'mse', "
+            f"per-head ones as algorithm says) or one of {', '.join(map(repr, SCALE_SEARCH))} for every KV amax"
         )
     if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
         raise ValueError(f"tq.calibrate: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
@@ -208,6 +220,7 @@ def calibrate(
     *,
     algorithm: str | Algorithm | Sequence[str | Algorithm] = "max",
     percentile: float = 99.99,
+    kv_scale_search: str | None = None,
     amax_groups: Sequence[dist.ProcessGroup] = (),
     progress: bool = True,
     sequential: bool = True,
@@ -236,6 +249,9 @@ def calibrate(
             Weight transforms run on Linear layers and MoE experts; `tq.summary` shows what each
             layer got.
         percentile: for "percentile", in (50, 100].
+        kv_scale_search: the scale search of KV-cache (key and value) amaxes. None: "mse" for
+            per-layer ones (needs `forward_loop` twice, for the histograms), per-head ones as
+            `algorithm` says; "max", "percentile" or "mse": that search for every KV amax.
         amax_groups: process groups (data parallel, tensor parallel) over which every static amax
             (and histogram) is reduced, once at the end of each pass, so all ranks get the same
             scales: the ones a single process would get from the union of their data.
@@ -255,7 +271,7 @@ def calibrate(
     Example:
         >>> tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in batches])
     """
-    groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
+    groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups, kv_scale_search)
     if not isinstance(sequential, bool):
         raise ValueError(f"tq.calibrate: sequential={sequential!r} is not allowed; allowed: True or False")
     check_not_meta(
@@ -286,6 +302,8 @@ def calibrate(
                     shape = static_amax_shape(p.module, t.role, t.quantizer)
                     t.stat_max = torch.full(shape, -1.0, device=module_device(p.module))
         search = algo.scale_search
+        searches = {id(t): scale_search_of(t, search, kv_scale_search) for t in tqs}
+        hist_tqs = [t for t in tqs if _uses_histogram(t) and searches[id(t)] != "max"]
         if forward_loop is None:
             _check_data_free(planned)
         elif algo.transforms and search == "max" and not _activations_enabled(planned):
@@ -295,18 +313,17 @@ def calibrate(
                 model,
                 forward_loop,
                 [p.module for p in planned],
-                "calibrating" if search == "max" else "calibrating (1/2: max)",
+                "calibrating (1/2: max)" if hist_tqs else "calibrating",
                 progress,
             )
         _reduce([t.stat_max for t in tqs if t.stat_max is not None], groups)
-        if search != "max":
-            hist_tqs = [t for t in tqs if _uses_histogram(t)]
+        if hist_tqs and forward_loop is not None:
             for t in hist_tqs:
                 t.collect, t.hist_max = "hist", t.stat_max.clamp(min=0)
                 t.hist = torch.zeros(t.stat_max.numel(), HIST_BINS, dtype=torch.float64, device=t.stat_max.device)
             _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
             _reduce([t.hist for t in hist_tqs if t.hist is not None], groups, op=dist.ReduceOp.SUM)
-        _finalize(planned, search, percentile, groups, methods, fixed)
+        _finalize(planned, search, percentile, groups, methods, fixed, kv_scale_search)
     except BaseException:
         undo.restore()
         surgery.undo()
@@ -315,7 +332,9 @@ def calibrate(
                 if id(b) in saved_buffers:
                     b.copy_(saved_buffers[id(b)])
         raise
-    set_record(model, [p.module for p in planned], CalibrationRecord(config, algo.describe(), float(percentile)))
+    kv = {searches[id(t)] for t in tqs if t.role in KV_SLOTS and t.static_kind is not None and searches[id(t)] != search}
+    described = algo.describe() + (f" (KV cache: {', '.join(sorted(kv))})" if kv else "")
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, described, float(percentile)))
     return model
 
 
@@ -387,6 +406,16 @@ def _uses_histogram(t: TensorQuantizer) -> bool:
     )
 
 
+def scale_search_of(t: TensorQuantizer, algorithm: str, kv_scale_search: str | None) -> str:
+    """The scale search of `t`'s static activation amax: `algorithm`'s, except for KV-cache amaxes
+    (`calibrate`'s `kv_scale_search`; None: "mse" for a per-layer one)."""
+    if t.role not in KV_SLOTS or t.quantizer is None:
+        return algorithm
+    if kv_scale_search is not None:
+        return kv_scale_search
+    return "mse" if t.static_kind == "tensor" else algorithm
+
+
 def _enabled_activation_quantizers(planned: list[Decision]):
     """(layer name, TensorQuantizer) of every enabled input and output quantizer."""
     return ((p.name, t) for p in planned for t in p.module.quantizers().values() if t.role != "weight" and t.quantizer is not None)
@@ -420,7 +449,7 @@ def check_data_free(units: list[tuple[str, nn.Module]], who: str = "tq.calibrate
         )
 
 
-def _finalize(planned: list[Decision], algorithm: str, percentile: float, groups, methods=None, fixed=None) -> None:
+def _finalize(planned: list[Decision], algorithm: str, percentile: float, groups, methods=None, fixed=None, kv_scale_search=None) -> None:
     """Turn statistics into amaxes. `fixed`: {id(unit): weight amax} a transform (GPTQ) chose, which
     the weight it rounded needs as it is; `methods`: {id(unit): how its weight was rounded}."""
     methods, fixed = methods or {}, fixed or {}
@@ -439,7 +468,7 @@ def _finalize(planned: list[Decision], algorithm: str, percentile: float, groups
                     t.set_amax(fixed[id(m)] if id(m) in fixed else weight_amax(m, t, algorithm))
                     weight_amaxes.append(t.amax)
                 else:
-                    t.set_amax(_activation_amax(p.name, t, algorithm, percentile))
+                    t.set_amax(_activation_amax(p.name, t, scale_search_of(t, algorithm, kv_scale_search), percentile))
             if slot == "weight" and t.quantizer is not None:
                 t.method = methods.get(id(m), algorithm)
             t._reset_stats()
