@@ -8,7 +8,8 @@ The model, its training, the data split, the calibration rows and the held-out w
 the scoring (`ptq_eval.scores`: perplexity and KL from the float model). Per table row, in a fresh
 process each:
 
-- tq: loads the float model, ``tq.calibrate(model, config, forward_loop)`` (``max``; two rows ``mse``) with the row's
+- tq: loads the float model, ``tq.calibrate(model, config, forward_loop)`` (its defaults: ``mse`` for per-tensor KV
+  amaxes, ``max`` for the rest; the rows marked `max` / `mse` name ``kv_scale_search``) with the row's
   config, a preset or none with ``tq.configs.fp8_kv_cache(per_head=...)`` appended, and scores
   the fake-quantized model (keys after the rotary embedding and values quantized as they enter the cache);
 - llmcompressor (`llmc_kv_worker.py` in --llmc-python): ``oneshot`` with a ``QuantizationModifier``
@@ -27,6 +28,7 @@ docs/ptq.md, "Perplexity with an FP8 KV cache, against llmcompressor".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -45,26 +47,29 @@ from ptq_eval import scores  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
 
-# (label, weight preset or None, KV: None, "tensor" or "head", tq's algorithm, with an llmcompressor row)
+# (label, weight preset or None, KV: None, "tensor" or "head", tq's kv_scale_search (None: its default), with an
+# llmcompressor row). tq's default: "mse" for per-tensor KV amaxes, "max" per head; the `max` rows are the other rule.
 ROWS = (
-    ("FP8 KV per tensor", None, "tensor", "max", True),
-    ("FP8 KV per head", None, "head", "max", True),
-    ("FP8 KV per tensor, tq `mse`", None, "tensor", "mse", False),
+    ("FP8 KV per tensor", None, "tensor", None, True),
+    ("FP8 KV per head", None, "head", None, True),
+    ("FP8 KV per tensor, tq `max`", None, "tensor", "max", False),
     ("FP8 KV per head, tq `mse`", None, "head", "mse", False),
-    ("W8A8", "w8a8", None, "max", True),
-    ("W8A8 + FP8 KV per tensor", "w8a8", "tensor", "max", True),
-    ("W8A8 + FP8 KV per head", "w8a8", "head", "max", True),
-    ("W4A16 g128", "w4a16", None, "max", True),
-    ("W4A16 g128 + FP8 KV per tensor", "w4a16", "tensor", "max", True),
-    ("W4A16 g128 + FP8 KV per head", "w4a16", "head", "max", True),
+    ("W8A8", "w8a8", None, None, True),
+    ("W8A8 + FP8 KV per tensor", "w8a8", "tensor", None, True),
+    ("W8A8 + FP8 KV per tensor, tq `max`", "w8a8", "tensor", "max", False),
+    ("W8A8 + FP8 KV per head", "w8a8", "head", None, True),
+    ("W4A16 g128", "w4a16", None, None, True),
+    ("W4A16 g128 + FP8 KV per tensor", "w4a16", "tensor", None, True),
+    ("W4A16 g128 + FP8 KV per tensor, tq `max`", "w4a16", "tensor", "max", False),
+    ("W4A16 g128 + FP8 KV per head", "w4a16", "head", None, True),
 )
-QUICK = {"FP8 KV per tensor", "FP8 KV per head", "FP8 KV per head, tq `mse`", "W4A16 g128 + FP8 KV per head"}
+QUICK = {"FP8 KV per tensor", "FP8 KV per head", "FP8 KV per tensor, tq `max`", "W4A16 g128 + FP8 KV per head"}
 
 FOOTNOTE = (
     "Cells: held-out perplexity (KL from float, 10⁻³ nats). 'tq − llmc': tq's log perplexity minus llmcompressor's "
     "(negative: tq lower), ± its standard error paired over the held-out windows. Both tools use their defaults: "
-    "tq's KV amax is the largest |k| (|v|) over all calibration rows ('max'); llmcompressor's 'minmax' observer "
-    "is a moving average (constant 0.01) of each row's amax. The llmc column is its reloaded checkpoint computed by "
+    "tq's per-tensor KV amax is the histogram error search ('mse'), per head the largest |k| (|v|) over all calibration "
+    "rows ('max'); llmcompressor's 'minmax' observer is a moving average (constant 0.01) of each row's amax. The llmc column is its reloaded checkpoint computed by "
     "compressed-tensors in its own environment (checked to compute with its FP8 KV cache); 'llmc ckpt in tq' is that "
     "checkpoint read by tq.load_exported (its weights and k/v scales) and computed by tq. W8A8 activations: tq per "
     "token at amax/127 (vLLM's), compressed-tensors at amax/127.5. Times: each run's calibration wall seconds, "
@@ -137,11 +142,12 @@ def main() -> None:
     float_ppl, unigram, train_s, layers, steps, n_calib, seq = (a[k] for k in ("float_ppl", "unigram", "train_s", "layers", "steps", "n_calib", "seq"))
 
     rows = []
-    for label, weights, kv, algorithm, with_llmc in ROWS:
+    for label, weights, kv, kv_search, with_llmc in ROWS:
         if args.quick and label not in QUICK:
             continue
         print(f"== {label}", flush=True)
-        tq_r = in_fresh_process(tq_run, str(model_dir), str(data_path), tq_config(weights, kv), algorithm, args.threads, kv_amaxes)
+        run = functools.partial(tq_run, calibrate_kwargs={"kv_scale_search": kv_search})
+        tq_r = in_fresh_process(run, str(model_dir), str(data_path), tq_config(weights, kv), "max", args.threads, kv_amaxes)
         print(f"   tq   {tq_r}", flush=True)
         llmc_r = None
         if args.llmc_python and with_llmc:

@@ -202,10 +202,11 @@ def tq_config(scheme: str, group: int):
     return tq.configs.int8_dynamic()
 
 
-def tq_run(model_dir: str, data_path: str, config, algorithm, threads: int, extra, queue) -> None:
+def tq_run(model_dir: str, data_path: str, config, algorithm, threads: int, extra, queue, calibrate_kwargs: dict | None = None) -> None:
     """In a fresh process: calibrate the float model with tq's `config` and score it; a result dict
     on `queue` (never nothing: the parent waits on it). `extra(model)`, where not None: more entries
-    for it (a module-level function: it crosses to the spawned process)."""
+    for it (a module-level function: it crosses to the spawned process). `calibrate_kwargs`: more
+    arguments of `tq.calibrate` (bench_kv_cache.py's ``kv_scale_search``; bind them with functools.partial)."""
     try:
         from transformers import AutoModelForCausalLM
 
@@ -225,6 +226,7 @@ def tq_run(model_dir: str, data_path: str, config, algorithm, threads: int, extr
                     lambda m: [m(input_ids=calib[i : i + 8]) for i in range(0, calib.shape[0], 8)],
                     algorithm=algorithm,
                     progress=False,
+                    **(calibrate_kwargs or {}),
                 )
         except (ValueError, ImportError) as e:
             # Not offered by this tq (yet): tq.calibrate refuses the name, or its module is not there.
@@ -319,6 +321,7 @@ def add_anchor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "tq_bench_ptq"), help="cache of the trained model and checkpoints")
     p.add_argument("--steps", type=int, default=1600, help="training steps (batch 8 x 256 tokens)")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="training seed (another seed: another model to check a result on)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run (default: torch's)")
     p.add_argument("--calib", default="64x256", help="calibration rows x tokens")
     p.add_argument("--quick", action="store_true", help="smoke check: 2 layers, 150 steps, 16x128 calibration, 6 rows")
@@ -338,11 +341,11 @@ def anchor(args: argparse.Namespace, data_name: str = "data.pt") -> dict:
         layers, steps, n_calib, seq = 2, 150, 16, 128
     workdir = Path(args.workdir) / ("quick" if args.quick else "full")
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = workdir / f"float_{layers}l_{steps}steps_seq{seq}"
+    model_dir = workdir / (f"float_{layers}l_{steps}steps_seq{seq}" + (f"_seed{args.seed}" if args.seed else ""))
     train_ids, held_out = split_text()
     if not (model_dir / "config.json").exists():
         print(f"training the {layers}-layer Llama ({steps} steps of 8 x {seq} tokens) into {model_dir} ...", flush=True)
-        train(model_dir, train_ids, layers=layers, steps=steps, seq=seq)
+        train(model_dir, train_ids, layers=layers, steps=steps, seq=seq, seed=args.seed)
     train_s = float((model_dir / "train_seconds.txt").read_text())
 
     gen = torch.Generator().manual_seed(1)

@@ -71,7 +71,8 @@ def per_head_amax(t: torch.Tensor) -> torch.Tensor:
 def test_calibrated_amax_is_the_cache_entries_max_and_the_cache_stores_them_quantized(kind, attn):
     model = tiny(kind, attn)
     keys, values = float_kv(model, 1)
-    tq.calibrate(model, tq.configs.int8().with_rules(QuantRule(key=PER_HEAD, value=PER_TENSOR)), loop, progress=False)
+    cfg = tq.configs.int8().with_rules(QuantRule(key=PER_HEAD, value=PER_TENSOR))
+    tq.calibrate(model, cfg, loop, kv_scale_search="max", progress=False)
     attention = model.model.layers[1].self_attn
     assert tq.calibration.modules.kind_of(attention)[0] == "Attention"
     assert torch.equal(attention.key_quantizer.amax, per_head_amax(keys))  # one per KV head: (2, 1)
@@ -85,6 +86,42 @@ def test_calibrated_amax_is_the_cache_entries_max_and_the_cache_stores_them_quan
     stored = cache.layers[0].keys
     rows = stored.transpose(0, 1).reshape(2, -1)
     assert torch.equal(rows, fake_quantize(rows, PER_HEAD, layer0.key_quantizer.amax))
+
+
+def test_per_layer_kv_amax_is_the_error_search_by_default_and_the_rest_follows_the_algorithm():
+    """By default a per-layer KV amax is the histogram "mse" search, not the largest |k|: one FP8
+    scale covers a layer's rare outlier keys (docs/ptq.md measured a lower KL); a per-head KV amax,
+    the weights and the other activations keep `algorithm`'s ("max"); `kv_scale_search` names one
+    search for every KV amax."""
+    keys, values = float_kv(tiny("llama"), 0)
+
+    def calibrated(kv_rule, **kwargs):
+        model = tiny("llama")
+        tq.calibrate(model, tq.configs.int8().with_rules(kv_rule), loop, progress=False, **kwargs)
+        return model
+
+    by_default = calibrated(tq.configs.fp8_kv_cache())
+    searched = calibrated(tq.configs.fp8_kv_cache(), algorithm="mse")
+    maxed = calibrated(tq.configs.fp8_kv_cache(), kv_scale_search="max")
+    attention = by_default.model.layers[0].self_attn
+    for slot in ("key", "value"):
+        amax = getattr(attention, f"{slot}_quantizer").amax
+        assert torch.equal(amax, getattr(searched.model.layers[0].self_attn, f"{slot}_quantizer").amax)
+    assert float(attention.key_quantizer.amax) < float(keys.abs().amax())  # this model's keys: the search clips
+    assert torch.equal(maxed.model.layers[0].self_attn.key_quantizer.amax, keys.abs().amax())
+    assert torch.equal(maxed.model.layers[0].self_attn.value_quantizer.amax, values.abs().amax())
+    for (name, m), (_, ref) in zip(by_default.named_modules(), maxed.named_modules(), strict=True):
+        if hasattr(m, "input_quantizer"):  # int8's static input amaxes and its weights: "max", as before
+            for slot in ("input", "weight"):
+                a, b = getattr(m, f"{slot}_quantizer").amax, getattr(ref, f"{slot}_quantizer").amax
+                assert (a is None and b is None) or torch.equal(a, b), (name, slot)
+    assert tq.quant_state(by_default)["algorithm"] == "max (KV cache: mse)"
+    per_head = calibrated(tq.configs.fp8_kv_cache(per_head=True))
+    assert torch.equal(per_head.model.layers[0].self_attn.key_quantizer.amax, per_head_amax(keys))
+    clipped = calibrated(tq.configs.fp8_kv_cache(per_head=True), kv_scale_search="percentile", percentile=99.0)
+    assert bool((clipped.model.layers[0].self_attn.key_quantizer.amax < per_head_amax(keys)).any())
+    with pytest.raises(ValueError, match=r"kv_scale_search='minmax' is not allowed; allowed: None .* 'max', 'percentile', 'mse'"):
+        tq.calibrate(tiny("llama"), tq.configs.int8().with_rules(tq.configs.fp8_kv_cache()), loop, kv_scale_search="minmax")
 
 
 def test_generate_with_a_quantized_cache_equals_full_recomputation():

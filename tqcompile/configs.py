@@ -144,7 +144,8 @@ def fp8_kv_cache(*, per_head: bool = False, query: bool = False) -> QuantRule:
     per layer, or one per KV head (`per_head`, compressed-tensors' "attn_head"); with `query`, the
     query too (after the rotary embedding), one scale per layer (exported as ``q_scale``, which
     vLLM's FP8 attention kernels read). Append it to any preset; it sets only the attention
-    modules' quantizers.
+    modules' quantizers. `tq.calibrate` searches per-layer KV amaxes with "mse" by default, per-head
+    ones with its `algorithm` (its `kv_scale_search` argument; docs/ptq.md, "KV cache").
 
     Example:
         >>> cfg = tq.configs.int4_weight_only().with_rules(tq.configs.fp8_kv_cache())   # W4A16 + FP8 KV

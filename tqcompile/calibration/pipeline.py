@@ -21,6 +21,13 @@ Algorithms, for the static activation amaxes of quantizers with a per-element er
 - "mse": the clipping value (among up to 128 bin edges, spaced geometrically) that
   minimises the expected squared error of ``tq.quantize(v, q, amax=c).dequantize()`` over it.
 
+Per-layer (TENSORWISE) KV-cache amaxes (`tq.configs.fp8_kv_cache()`) have their own search,
+`kv_scale_search`, "mse" by default whatever `algorithm` names: one FP8 scale covers a layer's
+keys, whose largest entries are rare outliers; there the error search gave a lower KL than the
+largest |k| on every model and row measured (docs/ptq.md, "Perplexity with an FP8 KV cache"). Per
+KV head the largest |k| measured better, so per-head amaxes follow `algorithm` unless
+`kv_scale_search` is named.
+
 NVFP4 global amaxes and per-expert input amaxes always use "max". Weights use "max", except that
 "mse" also searches a per-unit clipping ratio of the weight amax that minimises each unit's error.
 NVFP4 weights that serving engines fuse into one GEMM (q/k/v, gate/up) then get one amax, the max
@@ -42,7 +49,7 @@ from torch import nn
 from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.attention import AttentionQuantizers
-from tqcompile.calibration.config import ATTENTION_SLOTS, SLOTS, ConfigError, QuantConfig
+from tqcompile.calibration.config import ATTENTION_SLOTS, KV_SLOTS, SLOTS, ConfigError, QuantConfig
 from tqcompile.calibration.fake_quant import TensorQuantizer, static_weight_amax
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.layer_stats import UnitRecord, WeightUndo
@@ -173,7 +180,7 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
     return planned
 
 
-def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups) -> tuple:
+def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups, kv_scale_search) -> tuple:
     if not isinstance(model, nn.Module):
         raise TypeError(f"tq.calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(config, QuantConfig):
@@ -189,6 +196,11 @@ def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
         raise ValueError(
             f"tq.calibrate: algorithm={algo.describe()!r} needs calibration data; forward_loop=None (data-free) allows "
             "'max' only: static weight amaxes from the weights, round to nearest"
+        )
+    if kv_scale_search is not None and kv_scale_search not in SCALE_SEARCH:
+        raise ValueError(
+            f"tq.calibrate: kv_scale_search={kv_scale_search!r} is not allowed; allowed: None (per-layer KV amaxes 'mse', "
+            f"per-head ones as algorithm says) or one of {', '.join(map(repr, SCALE_SEARCH))} for every KV amax"
         )
     if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
         raise ValueError(f"tq.calibrate: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
@@ -206,6 +218,7 @@ def calibrate(
     *,
     algorithm: str | Algorithm | Sequence[str | Algorithm] = "max",
     percentile: float = 99.99,
+    kv_scale_search: str | None = None,
     amax_groups: Sequence[dist.ProcessGroup] = (),
     progress: bool = True,
     sequential: bool = True,
@@ -236,6 +249,9 @@ def calibrate(
             Weight transforms run on Linear layers and MoE experts; `tq.summary` shows what each
             layer got.
         percentile: for "percentile", in (50, 100].
+        kv_scale_search: the scale search of KV-cache (key and value) amaxes. None: "mse" for
+            per-layer ones (needs `forward_loop` twice, for the histograms), per-head ones as
+            `algorithm` says; "max", "percentile" or "mse": that search for every KV amax.
         amax_groups: process groups (data parallel, tensor parallel) over which every static amax
             (and histogram) is reduced, once at the end of each pass, so all ranks get the same
             scales: the ones a single process would get from the union of their data.
@@ -259,7 +275,7 @@ def calibrate(
     Example:
         >>> tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in batches])
     """
-    groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups)
+    groups, algo = _check_args(model, config, forward_loop, algorithm, percentile, amax_groups, kv_scale_search)
     StreamCache(cache_bytes, cache_dir)  # refuses a bad bound before anything changes
     if not isinstance(sequential, bool):
         raise ValueError(f"tq.calibrate: sequential={sequential!r} is not allowed; allowed: True or False")
@@ -285,6 +301,9 @@ def calibrate(
             records = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo, new_cache)
         start_activation_stats(planned, observers)
         search = algo.scale_search
+        tqs = quantizers_of(planned)
+        searches = {t: scale_search_of(t, search, kv_scale_search) for t in tqs}
+        hist_tqs = [t for t in tqs if uses_histogram(t) and searches[t] != "max"]
         if forward_loop is None:
             _check_data_free(planned)
         elif algo.transforms and search == "max" and not _activations_enabled(planned):
@@ -294,15 +313,15 @@ def calibrate(
                 model,
                 forward_loop,
                 [p.module for p in planned],
-                "calibrating" if search == "max" else "calibrating (1/2: max)",
+                "calibrating (1/2: max)" if hist_tqs else "calibrating",
                 progress,
             )
         _reduce([o.stat_max for o in observers.values() if o.stat_max is not None], groups)
-        if search != "max":
-            hist_observers = start_histograms(planned, observers)
+        if hist_tqs and forward_loop is not None:
+            hist_observers = start_histograms(planned, observers, searches)
             _run(model, forward_loop, [p.module for p in planned], "calibrating (2/2: histograms)", progress)
             _reduce([o.hist for o in hist_observers], groups, op=dist.ReduceOp.SUM)
-        finalize(planned, observers, search, percentile, groups, records)
+        finalize(planned, observers, search, percentile, groups, records, kv_scale_search)
     except BaseException:
         detach_observers(observers)
         undo.restore()
@@ -312,7 +331,7 @@ def calibrate(
                 if id(b) in saved_buffers:
                     b.copy_(saved_buffers[id(b)])
         raise
-    set_record(model, [p.module for p in planned], CalibrationRecord(config, algo.describe(), float(percentile)))
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, describe(algo, searches), float(percentile)))
     return model
 
 
@@ -369,10 +388,11 @@ def start_activation_stats(planned: list[Decision], observers: dict[TensorQuanti
                 observers[t].start_max(static_amax_shape(p.module, t.role, t.quantizer), module_device(p.module))
 
 
-def start_histograms(planned: list[Decision], observers: dict[TensorQuantizer, AmaxObserver]) -> list[AmaxObserver]:
-    """The observers of the planned units' quantizers whose amax a histogram decides ("percentile",
-    "mse"), each set to fill one over [0, its recorded max] on the next pass."""
-    found = [observers[t] for t in quantizers_of(planned) if _uses_histogram(t)]
+def start_histograms(planned: list[Decision], observers: dict[TensorQuantizer, AmaxObserver], searches: dict) -> list[AmaxObserver]:
+    """The observers of the planned units' quantizers whose amax a histogram decides (their search
+    in `searches`, {quantizer: search}: "percentile", "mse"), each set to fill one over [0, its
+    recorded max] on the next pass."""
+    found = [observers[t] for t in quantizers_of(planned) if uses_histogram(t) and searches[t] != "max"]
     for o in found:
         o.start_histogram()
     return found
@@ -386,11 +406,28 @@ def quantizers_of(planned: list[Decision]) -> list[TensorQuantizer]:
     return [q for p in planned for q in p.module.quantizers().values()]
 
 
-def _uses_histogram(t: TensorQuantizer) -> bool:
+def uses_histogram(t: TensorQuantizer) -> bool:
     """Static activation amaxes per tensor, and per KV head (the only activations with static units)."""
     return (
         t.role != "weight" and t.static_kind is not None and t.num_experts is None and not t.quantizer.has_global_scale()
     )
+
+
+def describe(algo: Algorithm, searches: dict) -> str:
+    """The calibration's algorithm as `tq.quant_state` records it: with the KV cache's own search
+    where it differs (`searches`: {quantizer: its scale search})."""
+    kv = {v for t, v in searches.items() if t.role in KV_SLOTS and t.static_kind is not None and v != algo.scale_search}
+    return algo.describe() + (f" (KV cache: {', '.join(sorted(kv))})" if kv else "")
+
+
+def scale_search_of(t: TensorQuantizer, algorithm: str, kv_scale_search: str | None) -> str:
+    """The scale search of `t`'s static activation amax: `algorithm`'s, except for KV-cache amaxes
+    (`calibrate`'s `kv_scale_search`; None: "mse" for a per-layer one)."""
+    if t.role not in KV_SLOTS or t.quantizer is None:
+        return algorithm
+    if kv_scale_search is not None:
+        return kv_scale_search
+    return "mse" if t.static_kind == "tensor" else algorithm
 
 
 def _enabled_activation_quantizers(planned: list[Decision]):
@@ -433,10 +470,11 @@ def finalize(
     percentile: float,
     groups,
     records: dict[nn.Module, UnitRecord] | None = None,
+    kv_scale_search: str | None = None,
 ) -> None:
     """Turn the planned units' statistics into amaxes and take their observers off. `records`: what
     the weight transforms did to each unit (how its weight was made; the weight amax GPTQ fixed,
-    which the weight it rounded needs as it is)."""
+    which the weight it rounded needs as it is); `kv_scale_search`: as `calibrate`'s."""
     records = records or {}
     weight_amaxes, unfit, beyond = [], [], []
     detach_observers(quantizers_of(planned))
@@ -454,7 +492,7 @@ def finalize(
                     t.set_amax(rec.amax if rec is not None and rec.amax is not None else weight_amax(m, t, algorithm))
                     weight_amaxes.append(t.amax)
                 else:
-                    t.set_amax(_activation_amax(p.name, t, obs, algorithm, percentile))
+                    t.set_amax(_activation_amax(p.name, t, obs, scale_search_of(t, algorithm, kv_scale_search), percentile))
             if slot == "weight" and t.quantizer is not None:
                 t.method = (rec.method if rec is not None else None) or algorithm
     if unfit:
@@ -483,7 +521,7 @@ def _activation_amax(name: str, t: TensorQuantizer, obs: AmaxObserver, algorithm
         )
     if t.num_experts is not None:
         return _expert_amax(name, obs.stat_max)
-    if not _uses_histogram(t) or algorithm == "max":
+    if not uses_histogram(t) or algorithm == "max":
         return obs.stat_max
     # One histogram per static amax (a KV cache's heads; one for a tensor-level amax), each searched
     # with the quantizer one unit sees: tensorwise.

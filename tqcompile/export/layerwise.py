@@ -44,7 +44,17 @@ from tqcompile.calibration.layer_stats import TRANSFORM_KINDS, Context, tied_par
 from tqcompile.calibration.modules import convert_module, kind_of
 from tqcompile.calibration.observers import attach_amax_observers, detach_observers
 from tqcompile.calibration.passes import reduce_stats
-from tqcompile.calibration.pipeline import finalize, plan, quantizers_of, start_activation_stats, start_histograms, to_convert
+from tqcompile.calibration.pipeline import (
+    describe,
+    finalize,
+    plan,
+    quantizers_of,
+    scale_search_of,
+    start_activation_stats,
+    start_histograms,
+    to_convert,
+    uses_histogram,
+)
 from tqcompile.calibration.record import CalibrationRecord, set_record
 from tqcompile.calibration.transforms import run_group
 from tqcompile.export.files import CheckpointFiles
@@ -252,15 +262,16 @@ def _outer_pass(model: nn.Module, layers: nn.ModuleList, batches: list, chain: r
             _run_model(model, b)
 
 
-def _record_activations(planned: list, observers: dict, groups, search: str, run_once: Callable[[bool], None]) -> None:
+def _record_activations(planned: list, observers: dict, groups, searches: dict, run_once: Callable[[bool], None]) -> None:
     """Record the static activation amaxes of the `planned` units (their `observers`) on the data
     `run_once` runs (its argument: whether this is the last run); a second run fills the
-    histograms of "percentile" / "mse"."""
-    run_once(search == "max")
+    histograms of the quantizers whose search (`searches`) is "percentile" / "mse"."""
+    hist = any(uses_histogram(t) and searches[t] != "max" for t in quantizers_of(planned))
+    run_once(not hist)
     mine = [observers[t] for t in quantizers_of(planned)]
     reduce_stats([o.stat_max for o in mine if o.stat_max is not None], groups)
-    if search != "max":
-        hist_observers = start_histograms(planned, observers)
+    if hist:
+        hist_observers = start_histograms(planned, observers, searches)
         run_once(True)
         reduce_stats([o.hist for o in hist_observers], groups, op=torch.distributed.ReduceOp.SUM)
 
@@ -278,6 +289,7 @@ def calibrate_layerwise(
     cache_dir: str | None = None,
     amax_groups: Sequence = (),
     progress: bool = True,
+    kv_scale_search: str | None = None,
 ) -> Overlay:
     """Convert and calibrate `model` (parameters on the meta device, read by `read`) one decoder
     layer at a time on `batches`; returns the `Overlay` whose `read` gives the transformed weights
@@ -288,6 +300,7 @@ def calibrate_layerwise(
     planned = to_convert(plan(model, config))
     apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
     observers = attach_amax_observers([p.module for p in planned])
+    searches = {t: scale_search_of(t, algo.scale_search, kv_scale_search) for t in quantizers_of(planned)}
     lname, layers = decoder_layers(model)
     prefix = f"{lname}."
     inside: list[list] = [[] for _ in layers]
@@ -333,8 +346,8 @@ def calibrate_layerwise(
                     ctx.fold_runner = None
                 ctx.finish(units)
             start_activation_stats(inside[i], observers)
-            _record_activations(inside[i], observers, groups, algo.scale_search, lambda last, i=i: replay.replay(chain, i, advance=last))
-            finalize(inside[i], observers, algo.scale_search, percentile, groups, records)
+            _record_activations(inside[i], observers, groups, searches, lambda last, i=i: replay.replay(chain, i, advance=last))
+            finalize(inside[i], observers, algo.scale_search, percentile, groups, records, kv_scale_search)
             overlay.write(f"{i}", {weights.name_of(p): p.detach() for p in layer.parameters() if id(p) in changed.ids})
             weights.release(list(layer.modules()))
             bar.update(1)
@@ -343,8 +356,8 @@ def calibrate_layerwise(
             weights.load(outer_modules)
             start_activation_stats(outer, observers)
             if outer_data:
-                _record_activations(outer, observers, groups, algo.scale_search, lambda last: _outer_pass(model, layers, batches, chain))
-            finalize(outer, observers, algo.scale_search, percentile, groups)
+                _record_activations(outer, observers, groups, searches, lambda last: _outer_pass(model, layers, batches, chain))
+            finalize(outer, observers, algo.scale_search, percentile, groups, None, kv_scale_search)
         weights.release(outer_modules)
     except BaseException:
         detach_observers(observers)
@@ -353,5 +366,5 @@ def calibrate_layerwise(
     finally:
         if chain is not None:
             chain.release()
-    set_record(model, [p.module for p in planned], CalibrationRecord(config, algo.describe(), float(percentile)))
+    set_record(model, [p.module for p in planned], CalibrationRecord(config, describe(algo, searches), float(percentile)))
     return overlay

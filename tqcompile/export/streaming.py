@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.calibration.algorithms import Algorithm, parse_algorithm
+from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.config import QuantConfig
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
@@ -71,6 +71,7 @@ def quantize_checkpoint(
     data: Sequence | None = None,
     algorithm: str | Algorithm | Sequence[str | Algorithm] = "max",
     percentile: float = 99.99,
+    kv_scale_search: str | None = None,
     model: nn.Module | None = None,
     format: str = "compressed-tensors",
     dtype: torch.dtype | None = None,
@@ -98,7 +99,8 @@ def quantize_checkpoint(
             embeddings once, then every decoder layer is calibrated on the cached inputs, read from
             the checkpoint only for its turn: the same result as `tq.calibrate` of the loaded model
             with ``lambda m: [m(b) for b in data]`` and the same `algorithm`.
-        algorithm, percentile: as `tq.calibrate` ("max" is the only one without `data`). Weight
+        algorithm, percentile, kv_scale_search: as `tq.calibrate` ("max" is the only algorithm
+            without `data`). Weight
             transforms (GPTQ, AWQ, SmoothQuant) run on the decoder layers; a layer outside them that
             one would transform (a quantized head) is refused by name.
         model: the model skeleton to use instead of building it from `config.json`: its
@@ -126,7 +128,7 @@ def quantize_checkpoint(
         raise TypeError(f"tq.quantize_checkpoint: config must be a tq QuantConfig, got {type(config).__name__}")
     algo = parse_algorithm(algorithm)
     if data is not None:
-        return _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress, tuple(amax_groups),
+        return _with_data(path, out, config, data, algo, percentile, kv_scale_search, model, cache_bytes, cache_dir, progress, tuple(amax_groups),
                           dict(format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
     if algo.transforms or algo.scale_search != "max":
         raise ValueError(f"tq.quantize_checkpoint: algorithm={algo.describe()!r} needs calibration data; pass data= (without it, 'max' only)")
@@ -149,7 +151,7 @@ def quantize_checkpoint(
     return export(model, out, format=format, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, checkpoint=path)
 
 
-def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, cache_dir, progress, groups, export_args):
+def _with_data(path, out, config, data, algo, percentile, kv_scale_search, model, cache_bytes, cache_dir, progress, groups, export_args):
     for g in groups:
         if not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"tq.quantize_checkpoint: amax_groups must hold torch.distributed ProcessGroups, got {type(g).__name__}")
@@ -160,6 +162,10 @@ def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, ca
         batches = check_batches(data)
         if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
             raise ValueError(f"tq.quantize_checkpoint: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
+        if kv_scale_search is not None and kv_scale_search not in SCALE_SEARCH:
+            raise ValueError(
+                f"tq.quantize_checkpoint: kv_scale_search={kv_scale_search!r} is not allowed; allowed: None or one of {', '.join(map(repr, SCALE_SEARCH))}"
+            )
         bound = None if cache_bytes is None else parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
         model = _meta_model(path, buffers=True) if model is None else model
         meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
@@ -178,6 +184,7 @@ def _with_data(path, out, config, data, algo, percentile, model, cache_bytes, ca
     overlay = calibrate_layerwise(
         model, safetensors_reader(path, model), config, batches, algo, percentile,
         scratch=scratch, cache_bytes=bound, cache_dir=cache_dir, progress=progress, amax_groups=groups,
+        kv_scale_search=kv_scale_search,
     )
     report = None
     try:
