@@ -7,7 +7,11 @@ A Llama from a config (hidden 512, intermediate 1408, 8 heads, vocab 4096, float
 sequences of 256 tokens in batches of 1, as in issue 28's table. Each variant runs in a fresh
 process (peak RSS is the process's).
 
-    python benchmarks/bench_ptq_depth.py [--layers 2 4 8 16] [--llmc-python /path/to/venv/bin/python]
+    python benchmarks/bench_ptq_depth.py [--layers 2 4 8 16] [--llmc-python /path/to/venv/bin/python] [--no-pass-per-layer]
+
+A fourth column runs `tq.quantize_checkpoint(..., data=rows, algorithm="gptq")` on the model saved
+as a float32 checkpoint: the model never loaded, one decoder layer read at a time (its seconds
+include reading the checkpoint and writing the export; llmcompressor's and tq.calibrate's do not).
 """
 
 from __future__ import annotations
@@ -64,6 +68,33 @@ def run_tq(layers: int, replay: bool) -> dict:
     return {"calls": calls[0], "seconds": time.perf_counter() - t, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def run_tq_layerwise(layers: int) -> dict:
+    import torch
+
+    import tqcompile as tq
+    from tqcompile.export import streaming
+
+    torch.set_num_threads(2)
+    data, calls = _data(), [0]
+    build = streaming._meta_model
+
+    def build_and_count(path, buffers=False):
+        model = build(path, buffers)
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        return model
+
+    streaming._meta_model = build_and_count
+    with tempfile.TemporaryDirectory() as d:
+        _model(layers).save_pretrained(f"{d}/float")
+        t = time.perf_counter()
+        tq.quantize_checkpoint(f"{d}/float", f"{d}/out", tq.configs.int4_weight_only(128), data=[row[None] for row in data],
+                               algorithm="gptq", progress=False)
+        seconds = time.perf_counter() - t
+    # The capture runs weightless stand-ins (one call a layer a batch, counted by the hooks): not layer work.
+    return {"calls": calls[0] - layers * SEQS, "seconds": seconds, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
 def run_llmc(layers: int) -> dict:
     import torch
     from bench_ptq_algorithms import byte_tokenizer  # oneshot insists on a processor when given a dataset
@@ -105,14 +136,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--llmc-python", default=None, help="llmcompressor 0.14's Python (its own venv)")
+    ap.add_argument("--no-pass-per-layer", action="store_true", help="skip the quadratic pass-per-layer column")
     args = ap.parse_args()
     print(f"GPTQ W4 g128, Llama hidden {HIDDEN}, {SEQS} x {TOKENS} tokens, 2 threads; calls = decoder-layer forward calls\n")
-    print("| L | tq replay: calls / s / peak MiB | tq pass per layer: calls / s / peak MiB | llmcompressor 0.14: calls / s / peak MiB |")
-    print("|---|---|---|---|")
+    print("| L | tq.calibrate (replay): calls / s / peak MiB | tq pass per layer: calls / s / peak MiB | "
+          "tq.quantize_checkpoint (layer by layer from disk): calls / s / peak MiB | llmcompressor 0.14: calls / s / peak MiB |")
+    print("|---|---|---|---|---|")
     for n in args.layers:
         cells = []
-        for what, python in ((f"run_tq({n}, True)", sys.executable), (f"run_tq({n}, False)", sys.executable), (f"run_llmc({n})", args.llmc_python)):
-            r = _child(python, what, n) if python else "not run (--llmc-python)"
+        runs = [(f"run_tq({n}, True)", sys.executable), (f"run_tq({n}, False)", None if args.no_pass_per_layer else sys.executable),
+                (f"run_tq_layerwise({n})", sys.executable), (f"run_llmc({n})", args.llmc_python)]
+        for what, python in runs:
+            r = _child(python, what, n) if python else "not run"
             cells.append(r if isinstance(r, str) else f"{r['calls']} / {r['seconds']:.1f} / {r['peak_mib']:.0f}")
         print(f"| {n} | " + " | ".join(cells) + " |")
 
