@@ -475,6 +475,43 @@ def test_no_fold_through_a_clamp():
         assert torch.equal(fresh(xs[0]), _Clamped().eval()(xs[0]))
 
 
+class _NormThenClamped(nn.Module):
+    """norm -> fc1 -> clamp(±30) -> fc2: the fold into the norm holds with any scales; fc1's into fc2
+    holds with the probe's (fc1's outputs times 2^6 stay inside the clamp) but not with SmoothQuant's
+    (fc2's columns are so large that its scales divide fc1's rows by more than 2^6)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(64)
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+        with torch.no_grad():
+            self.fc1.weight.mul_(0.15)
+            self.fc1.bias.zero_()
+            self.fc2.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.fc2(torch.clamp(self.fc1(self.norm(x)), -30.0, 30.0))
+
+
+def test_a_fold_the_scales_break_is_undone_and_the_others_kept():
+    """The folds of a group are checked together with the scales found; where that fails each is
+    checked on its own: the norm's fold into fc1 is kept, fc1's through the clamp into fc2 undone."""
+    xs = [torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = _NormThenClamped().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm="smoothquant", progress=False)
+    left = [str(w.message) for w in caught if "unsmoothed" in str(w.message)]
+    assert len(left) == 1 and "fc2: the fold into 'fc1' changed the model's output" in left[0] and "fc1:" not in left[0]
+    assert model.fc1.weight_quantizer.method == "smoothquant+max" and model.fc2.weight_quantizer.method == "max"
+    original, fresh = _NormThenClamped().eval(), _NormThenClamped().eval()
+    fresh.load_state_dict(model.state_dict())  # the float weights as folded
+    assert not torch.equal(fresh.norm.weight, original.norm.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(xs[0]), original(xs[0]), rtol=1e-4, atol=1e-4 * float(original(xs[0]).abs().max()))
+
+
 @dataclasses.dataclass
 class _Out:
     y: torch.Tensor

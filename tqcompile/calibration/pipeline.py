@@ -274,10 +274,10 @@ def calibrate(
         tqs = _quantizers(planned)
         for t in tqs:
             t.calibrating = True
-        methods, fixed = {}, {}
+        methods, fixed, ran_data = {}, {}, False
         if algo.transforms:
             # First, while the quantizers only record shapes: the activation amaxes below must see the final weights.
-            methods, fixed = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo)
+            methods, fixed, ran_data = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo)
         for p in planned:
             for t in p.module.quantizers().values():
                 if t.role != "weight" and t.static_kind is not None:
@@ -288,8 +288,11 @@ def calibrate(
         search = algo.scale_search
         if forward_loop is None:
             _check_data_free(planned)
-        elif algo.transforms and search == "max" and not _activations_enabled(planned):
-            pass  # the transforms ran the data; with no activation quantizer a pass would record nothing
+        elif algo.transforms and search == "max" and ran_data and not _static_activations(planned):
+            # The transforms' passes already showed every quantizer its input (while calibrating, each
+            # checks that its input's shape fits); a static amax is all a pass would add, and there is none
+            # (weight-only, or activation scales computed at run time such as int8_dynamic's per-token ones).
+            pass
         else:
             _run(
                 model,
@@ -392,9 +395,9 @@ def _enabled_activation_quantizers(planned: list[Decision]):
     return ((p.name, t) for p in planned for t in p.module.quantizers().values() if t.role != "weight" and t.quantizer is not None)
 
 
-def _activations_enabled(planned: list[Decision]) -> bool:
-    """Whether any input or output quantizer is enabled (a pass of the data calibrates or checks it)."""
-    return any(True for _ in _enabled_activation_quantizers(planned))
+def _static_activations(planned: list[Decision]) -> bool:
+    """Whether any enabled input or output quantizer has a static amax (a pass of the data calibrates it)."""
+    return any(t.static_kind is not None for _, t in _enabled_activation_quantizers(planned))
 
 
 def _check_data_free(planned: list[Decision]) -> None:

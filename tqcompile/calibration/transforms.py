@@ -83,7 +83,8 @@ def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[t
 
 def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo):
     """Run `plan`'s weight transforms on the planned (converted, calibrating) units; returns
-    ({id(unit): method}, {id(unit): static weight amax fixed by GPTQ})."""
+    ({id(unit): method}, {id(unit): static weight amax fixed by GPTQ}, whether a pass of
+    forward_loop ran: the first group's always runs the whole model)."""
     root = unwrap(model)
     names = {id(p.module): p.name for p in planned}
     units = [(p.name, p.module) for p in planned if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]
@@ -126,7 +127,7 @@ def run_transforms(model, forward_loop, planned, plan: AlgorithmPlan, amax_group
             CalibrationWarning,
             stacklevel=3,
         )
-    return {k: "+".join(v) for k, v in ctx.methods.items()}, ctx.amaxes
+    return {k: "+".join(v) for k, v in ctx.methods.items()}, ctx.amaxes, bool(groups)
 
 
 def _first_of_chain(ctx: Context, chain, members: list, desc: str) -> bool:
@@ -163,11 +164,11 @@ def _run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.
     cached inputs, `tqcompile.calibration.replay`; None: the user's whole `forward_loop`), then
     transform and round its layers."""
     plan = ctx.plan
-    need_h = plan.gptq is not None or isinstance(plan.smoothing, AWQ)
+    awq = isinstance(plan.smoothing, AWQ)
     stats = {}
     for u in members:
         w = weight_of(u)
-        stats[id(u)] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, need_h)
+        stats[id(u)] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, hessian=plan.gptq is not None or awq, mean=awq)
         u.input_quantizer.observer = stats[id(u)]
     handles = [_capture_probe(ctx)] if ctx.probe is None else []
     # The producers of the layers' inputs are recorded on the first call of the model, or of the
