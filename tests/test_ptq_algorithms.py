@@ -152,7 +152,7 @@ def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
     _power_of_two_scales(monkeypatch)
     ref = _logits(tiny_llama())
     model = tiny_llama()
-    caught = _calibrate(model, tq.configs.int8(), "smoothquant")
+    caught = _calibrate(model, tq.configs.int8(), tq.SmoothQuant(linear_folds=True))
     assert not caught, caught
     # Every layer folded: q/k/v and gate/up into the norms, o into v (4 kv heads), down into up.
     methods = _methods(model)
@@ -160,6 +160,28 @@ def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
     smoothed = _float_copy(model, tiny_llama)
     assert not torch.equal(smoothed.model.layers[0].input_layernorm.weight, tiny_llama().model.layers[0].input_layernorm.weight)
     assert torch.equal(_logits(smoothed), ref)
+
+
+def test_smoothquant_smooths_only_what_a_norm_produces_by_default(monkeypatch):
+    """SmoothQuant's default, as the paper's code and llmcompressor's mappings: q/k/v and gate/up
+    (their inputs come from the norms); o_proj and down_proj keep their weights, by choice (no
+    warning); `linear_folds=True` folds those into v_proj's and up_proj's rows too."""
+    _power_of_two_scales(monkeypatch)
+    ref = _logits(tiny_llama())
+    model = tiny_llama()
+    assert _calibrate(model, tq.configs.int8(), "smoothquant") == []
+    methods = _methods(model)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        assert {methods[prefix + n] for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")} == {
+            "smoothquant+max"
+        }
+        assert methods[prefix + "self_attn.o_proj"] == methods[prefix + "mlp.down_proj"] == "max"
+    smoothed = _float_copy(model, tiny_llama)
+    assert not torch.equal(smoothed.model.layers[0].mlp.up_proj.weight, tiny_llama().model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(_logits(smoothed), ref)
+    with pytest.raises(ValueError, match=r"linear_folds=1 is not allowed"):
+        tq.SmoothQuant(linear_folds=1)
 
 
 def test_awq_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
@@ -186,7 +208,7 @@ def test_smoothing_fold_with_real_scales_is_within_float_rounding():
 
 def test_grouped_query_attention_leaves_o_proj_unsmoothed_and_says_so():
     model = tiny_llama(kv_heads=2)  # v_proj has 32 outputs, o_proj 64 inputs: nothing folds into o_proj
-    caught = _calibrate(model, tq.configs.int8(), "smoothquant")
+    caught = _calibrate(model, tq.configs.int8(), tq.SmoothQuant(linear_folds=True))
     assert len(caught) == 1 and "model.layers.0.self_attn.o_proj" in caught[0] and "model.layers.1.self_attn.o_proj" in caught[0]
     methods = _methods(model)
     assert methods["model.layers.0.self_attn.o_proj"] == "" and methods["model.layers.0.mlp.down_proj"] == "smoothquant+max"
@@ -467,7 +489,7 @@ def test_no_fold_through_a_clamp():
     model = _Clamped().eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm="smoothquant", progress=False)
+        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm=tq.SmoothQuant(linear_folds=True), progress=False)
     assert any("fc2" in str(w.message) for w in caught)
     fresh = _Clamped().eval()
     fresh.load_state_dict(model.state_dict())
@@ -501,7 +523,7 @@ def test_a_fold_the_scales_break_is_undone_and_the_others_kept():
     model = _NormThenClamped().eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm="smoothquant", progress=False)
+        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm=tq.SmoothQuant(linear_folds=True), progress=False)
     left = [str(w.message) for w in caught if "unsmoothed" in str(w.message)]
     assert len(left) == 1 and "fc2: the fold into 'fc1' changed the model's output" in left[0] and "fc1:" not in left[0]
     assert model.fc1.weight_quantizer.method == "smoothquant+max" and model.fc2.weight_quantizer.method == "max"

@@ -142,10 +142,10 @@ def _find_folds(ctx: Context, members: list, recorder: FoldRecorder, run, baseli
     if not _agree(ctx, reason is None):  # every rank skips together, or the broadcast below would wait forever
         return [], [(u, reason or "another rank of amax_groups could not prove folds on its first batch") for u in members]
     with torch.no_grad():
-        folds = _propose(ctx, members, recorder, run, baseline)
+        folds, by_choice = _propose(ctx, members, recorder, run, baseline)
     if ctx.amax_groups:
         folds = _take_first_ranks(ctx, folds, members)
-    done = {id(c) for f in folds for c in f.consumers}
+    done = {id(c) for f in folds for c in f.consumers} | by_choice
     why = "no op produces its input that a per-channel scale folds into exactly (proved on the first calibration batch)"
     return folds, [(u, why) for u in members if id(u) not in done]
 
@@ -158,9 +158,13 @@ def _cannot_prove(ctx: Context, baseline: list[torch.Tensor] | None) -> str | No
     return None
 
 
-def _propose(ctx: Context, members: list, recorder: FoldRecorder, run, baseline) -> list[Fold]:
+def _propose(ctx: Context, members: list, recorder: FoldRecorder, run, baseline) -> tuple[list[Fold], set[int]]:
+    """The proved folds, and the ids of the layers left out by choice: no norm produces their
+    input, and `SmoothQuant(linear_folds=False)` smooths no other (not reported as unsmoothed)."""
     readers = {id(m): m for _, m in ctx.model.named_modules() if (w := m._parameters.get("weight")) is not None and w.dim() == 2}
-    folds, done = [], set()
+    algo = ctx.plan.smoothing
+    linear_folds = not isinstance(algo, SmoothQuant) or algo.linear_folds
+    folds, done, by_choice = [], set(), set()
     for u in sorted(members, key=lambda u: recorder.order.get(id(input_module(u)), 1 << 30)):
         if id(u) in done:
             continue
@@ -172,12 +176,18 @@ def _propose(ctx: Context, members: list, recorder: FoldRecorder, run, baseline)
                     if fold is not None and prove_fold(fold, run, baseline, weight_of, channels, seed=len(folds)):
                         break
                     fold = None
+        norm_read = reads_module_input(u) and any(
+            p._parameters["weight"].numel() == channels for p, _ in recorder.read_from.get(id(input_module(u)), [])
+        )
         if fold is None and not isinstance(u, ExpertGemmQuantizers):
-            fold = _linear_fold(ctx, u, members, recorder, run, baseline, channels)
+            if linear_folds:
+                fold = _linear_fold(ctx, u, members, recorder, run, baseline, channels)
+            elif not norm_read:
+                by_choice.add(id(u))
         if fold is not None:
             folds.append(fold)
             done.update(id(c) for c in fold.consumers)
-    return folds
+    return folds, by_choice
 
 
 def _norm_fold(ctx: Context, producer, pname, channels, members, readers, recorder) -> Fold | None:
