@@ -367,6 +367,9 @@ def anchor(args: argparse.Namespace, data_name: str = "data.pt") -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_anchor_args(p)
+    p.add_argument("--only", action="append", default=None, metavar="TEXT",
+                   help="run only the rows whose 'table title: row label' contains TEXT (case-insensitive; repeatable), "
+                        "e.g. --only 'W8A8 INT8 (per-channel weights, dynamic per-token activations): SmoothQuant 0.5'")
     args = p.parse_args()
     begin = time.perf_counter()
     a = anchor(args)
@@ -386,6 +389,8 @@ def main() -> None:
         rows = []
         for label, algorithm, recipe in specs:
             if args.quick and (scheme, group, algorithm) not in QUICK:
+                continue
+            if args.only and not any(o.lower() in f"{title}: {label}".lower() for o in args.only):
                 continue
             print(f"== {title}: {label}", flush=True)
             tq_r = in_fresh_process(tq_run, str(model_dir), str(data_path), tq_config(scheme, group), algorithm, args.threads, None)

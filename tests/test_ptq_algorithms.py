@@ -152,7 +152,7 @@ def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
     _power_of_two_scales(monkeypatch)
     ref = _logits(tiny_llama())
     model = tiny_llama()
-    caught = _calibrate(model, tq.configs.int8(), "smoothquant")
+    caught = _calibrate(model, tq.configs.int8(), tq.SmoothQuant(linear_folds=True))
     assert not caught, caught
     # Every layer folded: q/k/v and gate/up into the norms, o into v (4 kv heads), down into up.
     methods = _methods(model)
@@ -160,6 +160,28 @@ def test_smoothing_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
     smoothed = _float_copy(model, tiny_llama)
     assert not torch.equal(smoothed.model.layers[0].input_layernorm.weight, tiny_llama().model.layers[0].input_layernorm.weight)
     assert torch.equal(_logits(smoothed), ref)
+
+
+def test_smoothquant_smooths_only_what_a_norm_produces_by_default(monkeypatch):
+    """SmoothQuant's default, as the paper's code and llmcompressor's mappings: q/k/v and gate/up
+    (their inputs come from the norms); o_proj and down_proj keep their weights, by choice (no
+    warning); `linear_folds=True` folds those into v_proj's and up_proj's rows too."""
+    _power_of_two_scales(monkeypatch)
+    ref = _logits(tiny_llama())
+    model = tiny_llama()
+    assert _calibrate(model, tq.configs.int8(), "smoothquant") == []
+    methods = _methods(model)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        assert {methods[prefix + n] for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")} == {
+            "smoothquant+max"
+        }
+        assert methods[prefix + "self_attn.o_proj"] == methods[prefix + "mlp.down_proj"] == ""
+    smoothed = _float_copy(model, tiny_llama)
+    assert not torch.equal(smoothed.model.layers[0].mlp.up_proj.weight, tiny_llama().model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(_logits(smoothed), ref)
+    with pytest.raises(ValueError, match=r"linear_folds=1 is not allowed"):
+        tq.SmoothQuant(linear_folds=1)
 
 
 def test_awq_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
@@ -186,7 +208,7 @@ def test_smoothing_fold_with_real_scales_is_within_float_rounding():
 
 def test_grouped_query_attention_leaves_o_proj_unsmoothed_and_says_so():
     model = tiny_llama(kv_heads=2)  # v_proj has 32 outputs, o_proj 64 inputs: nothing folds into o_proj
-    caught = _calibrate(model, tq.configs.int8(), "smoothquant")
+    caught = _calibrate(model, tq.configs.int8(), tq.SmoothQuant(linear_folds=True))
     assert len(caught) == 1 and "model.layers.0.self_attn.o_proj" in caught[0] and "model.layers.1.self_attn.o_proj" in caught[0]
     methods = _methods(model)
     assert methods["model.layers.0.self_attn.o_proj"] == "" and methods["model.layers.0.mlp.down_proj"] == "smoothquant+max"
@@ -213,7 +235,7 @@ def test_no_fold_where_the_model_reads_the_output_elsewhere():
         ref = model(x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tq.calibrate(model, tq.configs.int8(), lambda m: m(x), algorithm="smoothquant", progress=False)
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(x), algorithm=tq.SmoothQuant(linear_folds=True), progress=False)
     (msg,) = [str(w.message) for w in caught if issubclass(w.category, CalibrationWarning)]
     assert "fc1" in msg and "fc2" in msg  # fc1: the norm's output is read twice; fc2: after a GELU
     fresh = _NormReadTwice().eval()
@@ -252,9 +274,12 @@ def test_awq_lowers_the_error_of_round_to_nearest():
 def test_smoothquant_then_gptq_runs_in_that_order():
     model = tiny_llama()
     _calibrate(model, tq.configs.int8(), ("smoothquant", "gptq"))
-    assert set(_methods(model).values()) == {"smoothquant+gptq"}
+    # SmoothQuant's default smooths what the norms feed; GPTQ then rounds every layer.
+    methods = _methods(model)
+    assert {m for n, m in methods.items() if n.endswith(("o_proj", "down_proj"))} == {"gptq"}
+    assert {m for n, m in methods.items() if not n.endswith(("o_proj", "down_proj"))} == {"smoothquant+gptq"}
     rec = tq.quant_state(model)["algorithm"]
-    assert rec == "SmoothQuant(alpha=0.5) + GPTQ(block_size=128, dampening=0.01, act_order=True) + max"
+    assert rec == "SmoothQuant(alpha=0.5, linear_folds=False) + GPTQ(block_size=128, dampening=0.01, act_order=True) + max"
 
 
 def test_sequential_and_single_pass_both_work():
@@ -467,12 +492,49 @@ def test_no_fold_through_a_clamp():
     model = _Clamped().eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm="smoothquant", progress=False)
+        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm=tq.SmoothQuant(linear_folds=True), progress=False)
     assert any("fc2" in str(w.message) for w in caught)
     fresh = _Clamped().eval()
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert torch.equal(fresh(xs[0]), _Clamped().eval()(xs[0]))
+
+
+class _NormThenClamped(nn.Module):
+    """norm -> fc1 -> clamp(±30) -> fc2: the fold into the norm holds with any scales; fc1's into fc2
+    holds with the probe's (fc1's outputs times 2^6 stay inside the clamp) but not with SmoothQuant's
+    (fc2's columns are so large that its scales divide fc1's rows by more than 2^6)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(64)
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+        with torch.no_grad():
+            self.fc1.weight.mul_(0.15)
+            self.fc1.bias.zero_()
+            self.fc2.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.fc2(torch.clamp(self.fc1(self.norm(x)), -30.0, 30.0))
+
+
+def test_a_fold_the_scales_break_is_undone_and_the_others_kept():
+    """The folds of a group are checked together with the scales found; where that fails each is
+    checked on its own: the norm's fold into fc1 is kept, fc1's through the clamp into fc2 undone."""
+    xs = [torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = _NormThenClamped().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tq.calibrate(model, tq.configs.int8(), lambda m: [m(x) for x in xs], algorithm=tq.SmoothQuant(linear_folds=True), progress=False)
+    left = [str(w.message) for w in caught if "unsmoothed" in str(w.message)]
+    assert len(left) == 1 and "fc2: the fold into 'fc1' changed the model's output" in left[0] and "fc1:" not in left[0]
+    assert model.fc1.weight_quantizer.method == "smoothquant+max" and model.fc2.weight_quantizer.method == "max"
+    original, fresh = _NormThenClamped().eval(), _NormThenClamped().eval()
+    fresh.load_state_dict(model.state_dict())  # the float weights as folded
+    assert not torch.equal(fresh.norm.weight, original.norm.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(xs[0]), original(xs[0]), rtol=1e-4, atol=1e-4 * float(original(xs[0]).abs().max()))
 
 
 @dataclasses.dataclass

@@ -77,6 +77,28 @@ def test_each_layer_runs_a_bounded_number_of_times(depth, monkeypatch):
         assert replayed < whole / 1.5
 
 
+@pytest.mark.parametrize("preset, amax_pass", [("int8_dynamic", False), ("int8", True)])
+def test_activation_amax_pass_only_for_static_activation_scales(preset, amax_pass, monkeypatch):
+    """After the transforms, a pass of forward_loop calibrates static activation amaxes (`int8`);
+    activations scaled at run time (`int8_dynamic`, per token) have nothing to record, and the
+    transforms' own passes already showed every quantizer its input's shape: no extra pass."""
+    depth, b = 3, len(BATCHES)
+    calls = calibrate_counting(llama(depth), lambda m: m.model.layers, getattr(tq.configs, preset)(), "gptq", True, monkeypatch)
+    assert calls == (3 * depth - 2) * b + (depth * b if amax_pass else 0)
+
+
+@pytest.mark.parametrize("linear_folds, proofs", [(False, 2), (True, 4)])
+def test_smoothquant_fold_runs_per_layer(linear_folds, proofs, monkeypatch):
+    """SmoothQuant proves and checks its folds on the replayed layer's first cached batch: one
+    baseline run, one run per candidate proved (a Llama layer: input_layernorm into q/k/v,
+    post_attention_layernorm into gate/up; with linear folds also q_proj tried for o_proj and
+    rejected, up_proj into down_proj), and one check of the folds made with the scales found."""
+    depth, b = 3, len(BATCHES)
+    algorithm = tq.SmoothQuant(linear_folds=linear_folds)
+    calls = calibrate_counting(llama(depth), lambda m: m.model.layers, tq.configs.int8_dynamic(), algorithm, True, monkeypatch)
+    assert calls == (3 * depth - 2) * b + (1 + proofs + 1) * depth
+
+
 @pytest.mark.parametrize(
     "make, preset, algorithm",
     [

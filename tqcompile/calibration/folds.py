@@ -17,9 +17,10 @@ inputs: the fold is applied with random power-of-two scales (2^-6 .. 2^6), which
 product and sum exactly, and the model's outputs must stay bit for bit the same (then it is
 undone, exactly). A candidate the proof rejects (another op reads the norm's output; a non-linear
 op in between; a model whose output is random) is not used, and the layer is reported unsmoothed.
-The fold with the scales actually chosen is checked once more on the same inputs (within the
-rounding of the folded weights' dtype, `fold_tolerance`), which catches an op that is linear only
-over part of the range (a clamp whose bound the probe scales never reached).
+The folds with the scales actually chosen are checked once more on the same inputs, a group's all
+together and, only where that fails, each on its own (within the rounding of the folded weights'
+dtype, `fold_tolerance`; `tqcompile.calibration.smoothing`), which catches an op that is linear
+only over part of the range (a clamp whose bound the probe scales never reached).
 """
 
 from __future__ import annotations

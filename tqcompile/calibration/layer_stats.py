@@ -50,33 +50,39 @@ class WeightUndo:
 
 class LayerStats:
     """One layer's input statistics (index e: an expert; a Linear has one), recorded as the
-    observer of its input quantizer."""
+    observer of its input quantizer: the per-channel max of |x| always, the per-channel sum of |x|
+    with `mean` (AWQ's x_mean), the Hessian with `hessian` (GPTQ, AWQ). SmoothQuant alone needs only
+    the max: the others cost more than the max itself."""
 
-    def __init__(self, unit: nn.Module, in_features: int, experts: int, hessian: bool):
+    def __init__(self, unit: nn.Module, in_features: int, experts: int, *, hessian: bool, mean: bool):
         self.unit = unit
         dev = weight_of(unit).device
         self.n = torch.zeros(experts, dtype=torch.float64, device=dev)
         self.ch_max = torch.zeros(experts, in_features, device=dev)
-        self.abs_sum = torch.zeros(experts, in_features, dtype=torch.float64, device=dev)
+        self.abs_sum = torch.zeros(experts, in_features, dtype=torch.float64, device=dev) if mean else None
         self.h = torch.zeros(experts, in_features, in_features, dtype=torch.float64, device=dev) if hessian else None
 
     def record(self, x: torch.Tensor, ends: torch.Tensor | None) -> None:
         with torch.no_grad():
             x = x.detach().reshape(-1, x.shape[-1]).float()
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError(
-                    f"tq.calibrate: the input of module {self.unit.input_quantizer.owner!r} holds NaN or Inf values during "
-                    "calibration; calibration needs finite activations (check the data and the model's numerics before this layer)"
-                )
             bounds = [0, x.shape[0]] if ends is None else [0, *ends.tolist()]
             for e in range(len(bounds) - 1):
                 xs = x[bounds[e] : bounds[e + 1]]
                 if xs.shape[0] == 0:
                     continue
                 a = xs.abs()
+                top = a.amax(0)
+                # amax propagates NaN and Inf: checking the (in,) maxima checks every element, for
+                # the price of a reduction the statistics take anyway (isfinite(x) would be a pass of its own).
+                if not bool(torch.isfinite(top).all()):
+                    raise ValueError(
+                        f"tq.calibrate: the input of module {self.unit.input_quantizer.owner!r} holds NaN or Inf values during "
+                        "calibration; calibration needs finite activations (check the data and the model's numerics before this layer)"
+                    )
                 self.n[e] += xs.shape[0]
-                self.ch_max[e] = torch.maximum(self.ch_max[e], a.amax(0))
-                self.abs_sum[e] += a.sum(0, dtype=torch.float64)
+                self.ch_max[e] = torch.maximum(self.ch_max[e], top)
+                if self.abs_sum is not None:
+                    self.abs_sum[e] += a.sum(0, dtype=torch.float64)
                 if self.h is not None:
                     self.h[e] += (xs.T @ xs).double()
 
@@ -102,7 +108,8 @@ class LayerStats:
         """The statistics of ``x / s`` (after a fold)."""
         s64 = s.double()
         self.ch_max /= s
-        self.abs_sum /= s64
+        if self.abs_sum is not None:
+            self.abs_sum /= s64
         if self.h is not None:
             self.h /= torch.outer(s64, s64)
 

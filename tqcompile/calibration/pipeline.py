@@ -294,11 +294,11 @@ def calibrate(
     try:
         surgery = apply(planned, lambda d: convert_module(d.module, d.name, d.using, config.ste))
         observers = attach_amax_observers([p.module for p in planned])
-        records = {}
+        records, ran_data = {}, False
         if algo.transforms:
             # First, while the observers only check shapes: the activation amaxes below must see the final weights.
             new_cache = functools.partial(StreamCache, cache_bytes, cache_dir)
-            records = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo, new_cache)
+            records, ran_data = run_transforms(model, forward_loop, planned, algo, groups, progress, sequential, undo, new_cache)
         start_activation_stats(planned, observers)
         search = algo.scale_search
         tqs = quantizers_of(planned)
@@ -306,8 +306,11 @@ def calibrate(
         hist_tqs = [t for t in tqs if uses_histogram(t) and searches[t] != "max"]
         if forward_loop is None:
             _check_data_free(planned)
-        elif algo.transforms and search == "max" and not _activations_enabled(planned):
-            pass  # the transforms ran the data; with no activation quantizer a pass would record nothing
+        elif algo.transforms and search == "max" and ran_data and not _static_activations(planned):
+            # The transforms' passes already showed every quantizer its input (while calibrating, each
+            # checks that its input's shape fits); a static amax is all a pass would add, and there is none
+            # (weight-only, or activation scales computed at run time such as int8_dynamic's per-token ones).
+            pass
         else:
             _run(
                 model,
@@ -435,9 +438,9 @@ def _enabled_activation_quantizers(planned: list[Decision]):
     return ((p.name, t) for p in planned for t in p.module.quantizers().values() if t.role != "weight" and t.quantizer is not None)
 
 
-def _activations_enabled(planned: list[Decision]) -> bool:
-    """Whether any input or output quantizer is enabled (a pass of the data calibrates or checks it)."""
-    return any(True for _ in _enabled_activation_quantizers(planned))
+def _static_activations(planned: list[Decision]) -> bool:
+    """Whether any enabled input or output quantizer has a static amax (a pass of the data calibrates it)."""
+    return any(t.static_kind is not None for _, t in _enabled_activation_quantizers(planned))
 
 
 def _check_data_free(planned: list[Decision]) -> None:

@@ -29,10 +29,12 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> 
     """Smooth the group's layers (in place; statistics rescaled to match), then AWQ's clipping."""
     algo = ctx.plan.smoothing
     name = "smoothquant" if isinstance(algo, SmoothQuant) else "awq"
-    folds, left = _find_folds(ctx, members, recorder)
+    # One run gives the outputs every proof and check compares against: a proof undoes its
+    # power-of-two fold exactly, so the model computes them again until a fold is kept.
     run = _runner(ctx)
-    baseline = outputs(run()) if folds else []
-    smoothed = []
+    baseline = _baseline(ctx, run)
+    folds, left = _find_folds(ctx, members, recorder, run, baseline)
+    made = []
     for fold in folds:
         try:
             s = (
@@ -45,18 +47,9 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> 
             continue
         saved = {id(t): (t, t.detach().clone()) for t in _fold_tensors(fold)}
         apply_fold(fold, s, weight_of, ctx.undo.save)
-        with torch.no_grad():
-            ok = same_outputs(run(), baseline, fold_tolerance(fold, weight_of))
-        ok = _agree(ctx, ok)
-        if not ok:  # linear only over part of the range (a clamp): put the weights back exactly
-            with torch.no_grad():
-                for t, copy in saved.values():
-                    t.copy_(copy)
-            left += [
-                (u, f"the fold into {fold.producer_name!r} changed the model's output with the scales found")
-                for u in fold.consumers
-            ]
-            continue
+        made.append((fold, s, saved))
+    smoothed = []
+    for fold, s, _ in _checked(ctx, made, run, baseline, left):
         for u in fold.consumers:
             stats[u].rescale(s)
             ctx.units[u].methods.append(name)
@@ -69,6 +62,39 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> 
     if clip:  # after every fold of the group: a later fold may still rescale an earlier layer's rows
         for u in [*smoothed, *(u for u, _ in left)]:
             _awq_clip(ctx, u, stats[u], algo)
+
+
+def _checked(ctx: Context, made: list, run, baseline, left: list) -> list:
+    """The folds made with the scales found that keep the model's outputs (within the rounding of
+    the folded weights, `fold_tolerance`). All of them are checked on one run, against the strictest
+    of their tolerances; only where that fails is each one checked on its own, as if made alone
+    after the ones kept before it (all are undone, newest first, then redone one at a time): a fold
+    that is linear only over part of the range (a clamp) is put back exactly and its layers added
+    to `left`."""
+    if not made:
+        return []
+    with torch.no_grad():
+        ok = same_outputs(run(), baseline, min(fold_tolerance(f, weight_of) for f, _, _ in made))
+    if _agree(ctx, ok):
+        return made
+    with torch.no_grad():
+        for _, _, saved in reversed(made):
+            for t, copy in saved.values():
+                t.copy_(copy)
+    kept = []
+    for fold, s, _ in made:
+        saved = {id(t): (t, t.detach().clone()) for t in _fold_tensors(fold)}
+        apply_fold(fold, s, weight_of, ctx.undo.save)
+        with torch.no_grad():
+            ok = same_outputs(run(), baseline, fold_tolerance(fold, weight_of))
+        if _agree(ctx, ok):
+            kept.append((fold, s, saved))
+            continue
+        with torch.no_grad():  # put the weights back exactly
+            for t, copy in saved.values():
+                t.copy_(copy)
+        left += [(u, f"the fold into {fold.producer_name!r} changed the model's output with the scales found") for u in fold.consumers]
+    return kept
 
 
 def _runner(ctx: Context):
@@ -98,38 +124,47 @@ def _agree(ctx: Context, ok: bool) -> bool:
     return bool(flag.item() == 1.0)
 
 
-def _find_folds(ctx: Context, members: list, recorder: FoldRecorder) -> tuple[list[Fold], list]:
+def _baseline(ctx: Context, run) -> list[torch.Tensor] | None:
+    """The outputs folds are proved against (None where nothing can call the model)."""
+    if ctx.probe is None and ctx.fold_runner is None:
+        return None
+    with torch.no_grad():
+        return outputs(run())
+
+
+def _find_folds(ctx: Context, members: list, recorder: FoldRecorder, run, baseline) -> tuple[list[Fold], list]:
     """Proved folds for the group's layers, and (layer, reason) for the layers left without one.
 
     Under `amax_groups`, the candidates each rank saw on its own first batch may differ: the first
     rank of each group decides, and the others take its folds by name (the same number of
     collectives on every rank)."""
-    reason = _cannot_prove(ctx)
+    reason = _cannot_prove(ctx, baseline)
     if not _agree(ctx, reason is None):  # every rank skips together, or the broadcast below would wait forever
         return [], [(u, reason or "another rank of amax_groups could not prove folds on its first batch") for u in members]
-    run = _runner(ctx)
     with torch.no_grad():
-        baseline = outputs(run())
-        folds = _propose(ctx, members, recorder, run, baseline)
+        folds, by_choice = _propose(ctx, members, recorder, run, baseline)
     if ctx.amax_groups:
         folds = _take_first_ranks(ctx, folds, members)
-    done = {id(c) for f in folds for c in f.consumers}
+    done = {id(c) for f in folds for c in f.consumers} | by_choice
     why = "no op produces its input that a per-channel scale folds into exactly (proved on the first calibration batch)"
     return folds, [(u, why) for u in members if id(u) not in done]
 
 
-def _cannot_prove(ctx: Context) -> str | None:
-    if ctx.probe is None and ctx.fold_runner is None:
+def _cannot_prove(ctx: Context, baseline: list[torch.Tensor] | None) -> str | None:
+    if baseline is None:
         return "forward_loop never called the model itself (only its submodules), so no fold could be proved; call the model"
-    with torch.no_grad():
-        if not outputs(_runner(ctx)()):
-            return "the model's output holds no tensor to compare a fold against (return tensors, tuples, dicts or dataclasses)"
+    if not baseline:
+        return "the model's output holds no tensor to compare a fold against (return tensors, tuples, dicts or dataclasses)"
     return None
 
 
-def _propose(ctx: Context, members: list, recorder: FoldRecorder, run, baseline) -> list[Fold]:
+def _propose(ctx: Context, members: list, recorder: FoldRecorder, run, baseline) -> tuple[list[Fold], set[int]]:
+    """The proved folds, and the ids of the layers left out by choice: no norm produces their
+    input, and `SmoothQuant(linear_folds=False)` smooths no other (not reported as unsmoothed)."""
     readers = {id(m): m for _, m in ctx.model.named_modules() if (w := m._parameters.get("weight")) is not None and w.dim() == 2}
-    folds, done = [], set()
+    algo = ctx.plan.smoothing
+    linear_folds = not isinstance(algo, SmoothQuant) or algo.linear_folds
+    folds, done, by_choice = [], set(), set()
     for u in sorted(members, key=lambda u: recorder.order.get(id(input_module(u)), 1 << 30)):
         if id(u) in done:
             continue
@@ -141,12 +176,18 @@ def _propose(ctx: Context, members: list, recorder: FoldRecorder, run, baseline)
                     if fold is not None and prove_fold(fold, run, baseline, weight_of, channels, seed=len(folds)):
                         break
                     fold = None
+        norm_read = reads_module_input(u) and any(
+            p._parameters["weight"].numel() == channels for p, _ in recorder.read_from.get(id(input_module(u)), [])
+        )
         if fold is None and not isinstance(u, ExpertGemmQuantizers):
-            fold = _linear_fold(ctx, u, members, recorder, run, baseline, channels)
+            if linear_folds:
+                fold = _linear_fold(ctx, u, members, recorder, run, baseline, channels)
+            elif not norm_read:
+                by_choice.add(id(u))
         if fold is not None:
             folds.append(fold)
             done.update(id(c) for c in fold.consumers)
-    return folds
+    return folds, by_choice
 
 
 def _norm_fold(ctx: Context, producer, pname, channels, members, readers, recorder) -> Fold | None:

@@ -86,10 +86,11 @@ def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[t
 
 def run_transforms(
     model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo, new_cache=replay.StreamCache
-) -> dict[nn.Module, UnitRecord]:
+) -> tuple[dict[nn.Module, UnitRecord], bool]:
     """Run `plan`'s weight transforms on the planned (converted, calibrating) units; returns each
-    unit's record (how its weight was made, the static weight amax GPTQ fixed). `new_cache()`
-    makes the `replay.StreamCache` a chain's cached inputs go to."""
+    unit's record (how its weight was made, the static weight amax GPTQ fixed) and whether a pass of
+    forward_loop ran (the first group's always runs the whole model). `new_cache()` makes the
+    `replay.StreamCache` a chain's cached inputs go to."""
     root = unwrap(model)
     records = unit_records([(p.name, p.module) for p in planned])
     units = [(p.name, p.module) for p in planned if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]
@@ -142,7 +143,7 @@ def run_transforms(
             CalibrationWarning,
             stacklevel=3,
         )
-    return ctx.units
+    return ctx.units, bool(groups)
 
 
 def _first_of_chain(ctx: Context, chain, members: list, desc: str, cache: replay.StreamCache) -> bool:
@@ -179,11 +180,11 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
     cached inputs, `tqcompile.calibration.replay`; None: the user's whole `forward_loop`), then
     transform and round its layers."""
     plan = ctx.plan
-    need_h = plan.gptq is not None or isinstance(plan.smoothing, AWQ)
+    awq = isinstance(plan.smoothing, AWQ)
     stats, attached = {}, {}
     for u in members:
         w = weight_of(u)
-        stats[u] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, need_h)
+        stats[u] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, hessian=plan.gptq is not None or awq, mean=awq)
         # Beside the input's amax observer, and first: a NaN input is reported as the layer statistics word it.
         t = attached[u] = u.input_quantizer.observer
         u.input_quantizer.observer = stats[u] if t is None else Observers(stats[u], t)
