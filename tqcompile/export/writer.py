@@ -501,6 +501,15 @@ def _ignored(model: nn.Module, where: dict, quantized: set[str], experts_as: str
     return sorted(n for n in names if n not in quantized)
 
 
+def _model_class(model: nn.Module) -> type:
+    """The model's own class, under the subclass FSDP2's `fully_shard` swaps in (``FSDPLlamaForCausalLM``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return type(model)
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _write_configs(
     model: nn.Module, path: str, fmt: CheckpointFormat, groups: dict, ignored: list[str], targets: list[str], dtype, kv_q=None
 ) -> None:
@@ -518,7 +527,7 @@ def _write_configs(
         # save_pretrained fills these in; a model built with from_config has neither until then,
         # and vLLM picks the model class by `architectures` (its dtype="auto" by `dtype`).
         if not getattr(config, "architectures", None):
-            config.architectures = [type(hf).__name__]
+            config.architectures = [_model_class(hf).__name__]
         if dtype is not None:
             config.dtype = dtype
         elif getattr(config, "dtype", None) is None:
