@@ -36,9 +36,7 @@ of theirs, whatever the algorithm (`tqcompile.calibration.fused`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -46,11 +44,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.api import quantize
 from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
 from tqcompile.calibration.attention import AttentionQuantizers
 from tqcompile.calibration.config import ATTENTION_SLOTS, KV_SLOTS, SLOTS, ConfigError, QuantConfig
-from tqcompile.calibration.fake_quant import TensorQuantizer, static_weight_amax
+from tqcompile.calibration.fake_quant import TensorQuantizer
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.layer_stats import UnitRecord, WeightUndo
 from tqcompile.calibration.modules import (
@@ -70,14 +67,15 @@ from tqcompile.calibration.modules import (
     unsupported_reason,
     weight_view,
 )
-from tqcompile.calibration.observers import HIST_BINS, AmaxObserver, attach_amax_observers, detach_observers
+from tqcompile.calibration.observers import AmaxObserver, attach_amax_observers, detach_observers
 from tqcompile.calibration.passes import CalibrationWarning
 from tqcompile.calibration.passes import reduce_stats as _reduce
 from tqcompile.calibration.passes import run_loop as _run
 from tqcompile.calibration.record import CalibrationRecord, set_record
 from tqcompile.calibration.replay import StreamCache
+from tqcompile.calibration.searches import activation_amax, uses_histogram, weight_amax
 from tqcompile.calibration.transforms import run_transforms
-from tqcompile.quantizers import Granularity, Quantizer, geometry
+from tqcompile.quantizers import Quantizer
 from tqcompile.surgery.checks import check_not_meta, check_not_sharded
 from tqcompile.surgery.names import canonical_modules
 from tqcompile.surgery.plan import Decision, Undo, apply
@@ -88,8 +86,6 @@ __all__ = ["calibrate", "prepare", "ALGORITHMS", "CalibrationWarning"]
 # moved to `tqcompile.calibration.record` name this module.
 
 ALGORITHMS = (*SCALE_SEARCH, "gptq", "awq", "smoothquant")
-_MSE_CANDIDATES = 128
-_WEIGHT_MSE_RATIOS = 40  # clipping ratios 0.5 ... 1.0 tried per weight unit
 
 
 def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) -> list[Decision]:
@@ -409,13 +405,6 @@ def quantizers_of(planned: list[Decision]) -> list[TensorQuantizer]:
     return [q for p in planned for q in p.module.quantizers().values()]
 
 
-def uses_histogram(t: TensorQuantizer) -> bool:
-    """Static activation amaxes per tensor, and per KV head (the only activations with static units)."""
-    return (
-        t.role != "weight" and t.static_kind is not None and t.num_experts is None and not t.quantizer.has_global_scale()
-    )
-
-
 def describe(algo: Algorithm, searches: dict) -> str:
     """The calibration's algorithm as `tq.quant_state` records it: with the KV cache's own search
     where it differs (`searches`: {quantizer: its scale search})."""
@@ -495,7 +484,7 @@ def finalize(
                     t.set_amax(rec.amax if rec is not None and rec.amax is not None else weight_amax(m, t, algorithm))
                     weight_amaxes.append(t.amax)
                 else:
-                    t.set_amax(_activation_amax(p.name, t, obs, scale_search_of(t, algorithm, kv_scale_search), percentile))
+                    t.set_amax(activation_amax(p.name, t, obs, scale_search_of(t, algorithm, kv_scale_search), percentile))
             if slot == "weight" and t.quantizer is not None:
                 t.method = (rec.method if rec is not None else None) or algorithm
     if unfit:
@@ -514,102 +503,3 @@ def finalize(
     _reduce(weight_amaxes, groups)
     # After the reduce, so every rank shares the same values; GPTQ's siblings already share theirs.
     share_fused_weight_amax([(p.name, p.module) for p in planned])
-
-
-def _activation_amax(name: str, t: TensorQuantizer, obs: AmaxObserver, algorithm: str, percentile: float) -> torch.Tensor:
-    if bool((obs.stat_max < 0).all()):
-        raise RuntimeError(
-            f"tq.calibrate: the {t.role} quantizer of {name!r} saw no data during calibration (the module never ran); "
-            f"run data through it in forward_loop, or disable it with QuantRule(name={name!r}, {t.role}=False)"
-        )
-    if t.num_experts is not None:
-        return _expert_amax(name, obs.stat_max)
-    if not uses_histogram(t) or algorithm == "max":
-        return obs.stat_max
-    # One histogram per static amax (a KV cache's heads; one for a tensor-level amax), each searched
-    # with the quantizer one unit sees: tensorwise.
-    q = t.quantizer
-    if q.layout()[0] is not Granularity.TENSORWISE:
-        q = dataclasses.replace(q, granularity=Granularity.TENSORWISE)
-    tops = obs.hist_max.reshape(-1)
-    found = [_histogram_amax(obs.hist[i], float(tops[i]), q, algorithm, percentile) for i in range(tops.numel())]
-    return torch.stack(found).reshape(obs.stat_max.shape).to(obs.stat_max.device)
-
-
-def _histogram_amax(hist: torch.Tensor, top: float, q: Quantizer, algorithm: str, percentile: float) -> torch.Tensor:
-    """The "percentile" or "mse" amax of one histogram of |x| over [0, top]."""
-    edges = torch.linspace(0.0, top, HIST_BINS + 1, dtype=torch.float64)
-    if algorithm == "percentile":
-        cdf = hist.cumsum(0) / hist.sum()
-        idx = int(torch.searchsorted(cdf, torch.tensor(percentile / 100.0, dtype=cdf.dtype)).clamp(max=HIST_BINS - 1))
-        return edges[idx + 1].to(torch.float32)
-    return _mse_amax(hist, edges, q)
-
-
-def _mse_amax(hist: torch.Tensor, edges: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """The clipping value minimising the histogram-weighted squared error of fake quantization.
-
-    Candidates are bin edges spaced geometrically (finer where small clips are), each tried with
-    the library's own quantize on the bin centres."""
-    centers = ((edges[:-1] + edges[1:]) / 2).to(torch.float32)
-    counts = hist.to(torch.float64)
-    ks = torch.unique(torch.logspace(0, math.log10(HIST_BINS), _MSE_CANDIDATES).round().long())
-    best, best_err = edges[-1].to(torch.float32), math.inf
-    for k in ks.tolist():
-        c = edges[k].to(torch.float32)
-        dq = quantize(centers, q, amax=c).dequantize()
-        err = float((((dq - centers).double()) ** 2 * counts).sum())
-        if err < best_err:
-            best, best_err = c, err
-    return best
-
-
-def _expert_amax(name: str, per_expert: torch.Tensor) -> torch.Tensor:
-    """Per-expert input amaxes; an expert that received no tokens gets the max over the others."""
-    unseen = per_expert < 0
-    if bool(unseen.all()):
-        raise RuntimeError(
-            f"tq.calibrate: no expert of {name!r} received any token during calibration; calibrate with data that reaches it"
-        )
-    if bool(unseen.any()):
-        idle = unseen.nonzero().flatten().tolist()
-        warnings.warn(
-            f"tq.calibrate: experts {idle} of {name!r} received no tokens during calibration; "
-            "their input amax is set to the max over the other experts",
-            CalibrationWarning,
-            stacklevel=4,
-        )
-    return torch.where(unseen, per_expert.max(), per_expert)
-
-
-def weight_amax(module: nn.Module, t: TensorQuantizer, algorithm: str) -> torch.Tensor:
-    """The static amax `algorithm` ("max" or "mse") gives the weight of the converted `module`."""
-    q = t.quantizer
-    with torch.no_grad():
-        w = weight_view(module, module.weight.detach())
-        if t.num_experts is not None and t.static_kind == "tensor":
-            from tqcompile import ops
-
-            amax = torch.stack([ops.amax(w[e], q) for e in range(w.shape[0])]).reshape(-1, 1, 1)
-            if algorithm == "mse":
-                amax = torch.stack([_mse_weight(w[e], q, amax[e].reshape(())) for e in range(w.shape[0])]).reshape(-1, 1, 1)
-            return amax
-        amax = static_weight_amax(w, q)
-        return _mse_weight(w, q, amax) if algorithm == "mse" else amax
-
-
-def _mse_weight(w: torch.Tensor, q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
-    """Per-unit amax ``r * amax`` with r in [0.5, 1] minimising that unit's squared error (an
-    asymmetric unit's ``(-min, max)`` both scaled by r)."""
-    best_amax, best_err = amax, None
-    for i in range(_WEIGHT_MSE_RATIOS + 1):
-        cand = amax * (0.5 + 0.5 * i / _WEIGHT_MSE_RATIOS) if i < _WEIGHT_MSE_RATIOS else amax
-        sq_err = (quantize(w, q, amax=cand).dequantize(torch.float32) - w.float()) ** 2
-        err = geometry.unit_sum(sq_err, q.layout() if amax.dim() else geometry.TENSOR)  # per unit of `amax`
-        if best_err is None:
-            best_amax, best_err = cand, err
-        else:
-            better = err < best_err
-            pick = better.unsqueeze(-1) if q.has_zero_point() else better  # an asymmetric unit's (-min, max) move together
-            best_amax, best_err = torch.where(pick, cand, best_amax), torch.where(better, err, best_err)
-    return best_amax
