@@ -252,6 +252,18 @@ def _damped_error(d: torch.Tensor, hinv: torch.Tensor) -> float:
     return _squares(torch.linalg.solve_triangular(hinv, d, upper=True, left=False))
 
 
+def _below(d: torch.Tensor, hinv: torch.Tensor, added: float, error: float, rows: int = 512) -> bool:
+    """Whether ``tr(D H D^T)`` for the undampened ``H = (U^T U)^-1 - added I`` is below `error`. Each
+    row's share is >= 0, so the rows are solved a chunk at a time until their sum reaches `error`:
+    GPTQ's error, which round to nearest's usually passes well before its last row."""
+    total = 0.0
+    for chunk in d.split(rows):
+        total += _damped_error(chunk, hinv) - added * _squares(chunk)
+        if total >= error:
+            return False
+    return True
+
+
 def _squares(t: torch.Tensor) -> float:
     """The sum of `t`'s squares, accumulated in float64 without a float64 copy of `t`."""
     return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
@@ -371,7 +383,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
                 w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
                 err[:, i] = e
         qw[:, i1:i2] = q1
-        w[:, i2:] -= err @ hinv[i1:i2, i2:]
+        w[:, i2:].addmm_(err, hinv[i1:i2, i2:], alpha=-1)  # in place: no (out, in) temporary a block (1.8x at 4096 x 14336)
         own_error += _squares(err)
     q = torch.empty_like(qw)
     q[:, perm] = qw
@@ -383,7 +395,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: G
     live = weight.detach().float().masked_fill(dead, 0.0)[:, perm]
     d, d_rtn = live - q[:, perm], live - rtn.q.float()[:, perm]
     error = (_damped_error(d, hinv) if moved else own_error) - added * _squares(d)
-    if error > _damped_error(d_rtn, hinv) - added * _squares(d_rtn):
+    if _below(d_rtn, hinv, added, error):
         return dataclasses.replace(rtn, requantized_blocks=moved)
     return _Result(q.to(weight.dtype), amax.reshape(()) if gran is Granularity.TENSORWISE else amax, "gptq", moved)
 
