@@ -7,7 +7,9 @@ noise, channels of unequal size, as activations are), the Hessian ``2 X^T X / n`
 `LayerStats` hands it over; INT4 groups of 128, `tq.GPTQ()` defaults (act_order). Phases are timed
 by wrapping gptq.py's own functions (the factorisation: Cholesky, then the rest of it; round to
 nearest; the output errors of the comparison with it); "columns" is the rest: the column loop
-and its lazy block updates. It prints a table and the output error ``tr(D H D^T)`` of the result.
+and its lazy block updates. Seconds are the process's CPU seconds (one thread: its work, which a machine
+shared with other jobs stretches less than wall time). It prints a table and the output error
+``tr(D H D^T)`` of the result.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ def _timed(owner, name: str, seconds: dict, label: str):
     depth = [0]
 
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
+        t = time.process_time()
         depth[0] += 1
         try:
             return original(*args, **kwargs)
         finally:
             depth[0] -= 1
             if depth[0] == 0:
-                seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - t
+                seconds[label] = seconds.get(label, 0.0) + time.process_time() - t
 
     setattr(owner, name, wrapper)
     try:
@@ -80,7 +82,7 @@ def main() -> None:
     rest = seconds["total"] - seconds["factor"] - seconds.get("rtn", 0) - seconds.get("output error", 0)
     seconds["triangular inverse (+ reordering)"] = seconds["factor"] - seconds["cholesky"]
     print(f"GPTQ INT4 g{args.group}, weight {args.out} x {args.in_f}, {args.tokens} tokens, 1 thread, how={r.how}")
-    print("| phase | s |\n|---|---:|")
+    print("| phase | CPU s |\n|---|---:|")
     for k in ("cholesky", "triangular inverse (+ reordering)", "rtn", "output error"):
         if k in seconds:
             print(f"| {k} | {seconds[k]:.2f} |")
