@@ -4,6 +4,8 @@ inputs than round to nearest."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -203,3 +205,55 @@ def test_int_column_rounding_is_the_reference_kernels(grid, granularity):
         finally:
             gptq_module._column_rounder = original
         assert torch.equal(fast[0].view(torch.int32), slow[0].view(torch.int32)) and torch.equal(fast[1], slow[1]) and fast[2] == slow[2]
+
+
+def test_comparison_with_round_to_nearest_costs_no_hessian_sized_product():
+    """GPTQ's own output error is the sum of its steps' squared errors (W - Q = E U with U the
+    factor of the dampened inverse Hessian, so tr((W - Q) H (W - Q)^T) = |E|^2), and round to
+    nearest's is one triangular solve with U. Before, both came from (out, in) x (in, in) float64
+    products: 4 out in^2 flops, the largest single cost at Llama-3-8B's down_proj (issue 28 item 4).
+    What remains of matrix products is the lazy block updates, out * in * (in - block_size)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out_f, in_f = 32, 512
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1024, in_f, generator=g) * torch.linspace(0.2, 3, in_f)
+    w, h = torch.randn(out_f, in_f, generator=g) * 0.05, hessian(x)
+    with FlopCounterMode(display=False) as flops:
+        r = _gptq(w, h, QUANTIZERS["int4_g32"], GPTQ(), "w")
+    assert r.how == "gptq"
+    assert flops.get_total_flops() <= out_f * in_f * (in_f - 128), flops.get_flop_counts()
+
+
+def test_a_worse_gptq_result_is_replaced_by_round_to_nearest(monkeypatch):
+    """The comparison keeps round to nearest where GPTQ's result has the larger output error: here
+    a column rounding that gives zeros (GPTQ's own error, from its steps, counts what it rounds)."""
+    from tqcompile.calibration import gptq as gptq_module
+
+    x, w = _correlated(7), torch.randn(48, 64, generator=torch.Generator().manual_seed(8))
+    q = QUANTIZERS["int8_channel"]
+    kept = gptq_quantize(w, hessian(x), q)
+    assert kept[2] == "gptq" and _err(w, kept[0], x) < _err(w, fake_quantize(w, q), x)
+
+    class Zeros(gptq_module._IntColumns):
+        def __call__(self, col, amax, unit):
+            return super().__call__(col * 0, amax, unit)
+
+    monkeypatch.setattr(gptq_module, "_column_rounder", Zeros)
+    out, amax, how = gptq_quantize(w, hessian(x), q)
+    assert how == "rtn" and torch.equal(out, round_to_nearest(w, q)) and torch.equal(amax, static_weight_amax(w, q))
+
+
+def test_a_hessian_float32_cannot_factor_is_factored_in_float64():
+    """GPTQ factors the Hessian in float32 (the same codes as float64 on the llmcompressor fixture,
+    half the time and memory); where float32's Cholesky fails at the requested dampening, float64
+    factors it, rather than the dampening being raised or the weight rounded to nearest."""
+    g = torch.Generator().manual_seed(9)
+    basis = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))[0]
+    h = basis @ torch.diag(torch.logspace(0, -11, 64, dtype=torch.float64)) @ basis.T  # SPD, condition 1e11
+    assert int(torch.linalg.cholesky_ex(h.float())[1]) != 0 and int(torch.linalg.cholesky_ex(h)[1]) == 0
+    w = torch.randn(16, 64, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = _gptq(w, h, QUANTIZERS["int8_channel"], GPTQ(dampening=1e-12), "w")
+    assert r.how == "gptq"
