@@ -297,22 +297,28 @@ def gptq_quantize(
 
     `tensor_amax`: for NVFP4, the tensor-level amax to hold (at least the weight's own): the max
     over the weights an engine fuses into one GEMM (q/k/v), which share one global scale.
-    `own_hessian`: the caller hands `h` (float64) over: it is changed and freed as GPTQ goes
+    `own_hessian`: the caller hands `h` (float64) over and keeps no reference: it is changed, and
+    freed once GPTQ has its factor
     instead of copied (a Hessian at intermediate 14336 is 1.6 GB).
     """
     if tensor_amax is not None and not quantizer.has_global_scale():
         raise ValueError(f"gptq_quantize: tensor_amax is for NVFP4 weights; {quantizer!r} has none to hold")
-    r = _gptq(weight, h if own_hessian else h.double().clone(), quantizer, config or GPTQ(), name, tensor_amax)
+    # In a list that `_gptq` empties: a local here would keep the matrix alive to the end.
+    held = [h if own_hessian else h.double().clone()]
+    del h
+    r = _gptq(weight, held, quantizer, config or GPTQ(), name, tensor_amax)
     return r.q, r.amax, r.how
 
 
-def _gptq(weight: torch.Tensor, h: torch.Tensor, quantizer: Quantizer, config: GPTQ, name: str, held_amax=None) -> _Result:
+def _gptq(weight: torch.Tensor, h: torch.Tensor | list[torch.Tensor], quantizer: Quantizer, config: GPTQ, name: str, held_amax=None) -> _Result:
     _check(quantizer)
     gran = quantizer.layout()[0]
     quantizer.check_shape(weight.shape)
     w = weight.detach().float().clone()
     out_f, in_f = w.shape
-    h = h.double()  # changed in place: `gptq_quantize` passes a copy unless the caller handed it over
+    # Changed in place: `gptq_quantize` passes a copy unless the caller handed it over, in a list
+    # emptied here so that no frame above keeps it alive once its factor is taken.
+    h = (h.pop() if isinstance(h, list) else h).double()
     dead = h.diagonal() == 0  # inputs always zero: any weight there is free; make them zero
     if bool(dead.all()):
         # No input ever non-zero: the data says nothing about the weight, and zeroing all of it (its
