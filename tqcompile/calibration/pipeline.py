@@ -176,6 +176,17 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
     return planned
 
 
+def check_searches(percentile, kv_scale_search, who: str) -> None:
+    """Refuse a bad `percentile` or `kv_scale_search` (`who`: the entry point, for the message)."""
+    if kv_scale_search is not None and kv_scale_search not in SCALE_SEARCH:
+        raise ValueError(
+            f"{who}: kv_scale_search={kv_scale_search!r} is not allowed; allowed: None (per-layer KV amaxes 'mse', "
+            f"per-head ones as algorithm says) or one of {', '.join(map(repr, SCALE_SEARCH))} for every KV amax"
+        )
+    if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
+        raise ValueError(f"{who}: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
+
+
 def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups, kv_scale_search) -> tuple:
     if not isinstance(model, nn.Module):
         raise TypeError(f"tq.calibrate: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -193,13 +204,7 @@ def _check_args(model, config, forward_loop, algorithm, percentile, amax_groups,
             f"tq.calibrate: algorithm={algo.describe()!r} needs calibration data; forward_loop=None (data-free) allows "
             "'max' only: static weight amaxes from the weights, round to nearest"
         )
-    if kv_scale_search is not None and kv_scale_search not in SCALE_SEARCH:
-        raise ValueError(
-            f"tq.calibrate: kv_scale_search={kv_scale_search!r} is not allowed; allowed: None (per-layer KV amaxes 'mse', "
-            f"per-head ones as algorithm says) or one of {', '.join(map(repr, SCALE_SEARCH))} for every KV amax"
-        )
-    if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
-        raise ValueError(f"tq.calibrate: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
+    check_searches(percentile, kv_scale_search, "tq.calibrate")
     groups = tuple(amax_groups or ())
     for g in groups:
         if not isinstance(g, dist.ProcessGroup):
@@ -302,7 +307,7 @@ def calibrate(
         hist_tqs = [t for t in tqs if uses_histogram(t) and searches[t] != "max"]
         if forward_loop is None:
             _check_data_free(planned)
-        elif algo.transforms and search == "max" and ran_data and not _static_activations(planned):
+        elif algo.transforms and search == "max" and ran_data and not static_activations(planned):
             # The transforms' passes already showed every quantizer its input (while calibrating, each
             # checks that its input's shape fits); a static amax is all a pass would add, and there is none
             # (weight-only, or activation scales computed at run time such as int8_dynamic's per-token ones).
@@ -427,7 +432,7 @@ def _enabled_activation_quantizers(planned: list[Decision]):
     return ((p.name, t) for p in planned for t in p.module.quantizers().values() if t.role != "weight" and t.quantizer is not None)
 
 
-def _static_activations(planned: list[Decision]) -> bool:
+def static_activations(planned: list[Decision]) -> bool:
     """Whether any enabled input or output quantizer has a static amax (a pass of the data calibrates it)."""
     return any(t.static_kind is not None for _, t in _enabled_activation_quantizers(planned))
 

@@ -53,7 +53,7 @@ from tqcompile.calibration.passes import CalibrationWarning, reduce_stats, run_l
 from tqcompile.calibration.smoothing import smooth
 from tqcompile.surgery.names import canonical_modules, unwrap
 
-__all__ = ["run_transforms", "run_group", "sequential_groups", "REPLAY"]
+__all__ = ["run_transforms", "run_group", "transform_units", "sequential_groups", "REPLAY"]
 
 # Run decoder-layer chains on cached inputs (`tqcompile.calibration.replay`); False: one pass of
 # forward_loop per group, as before (the tests compare the two).
@@ -84,6 +84,12 @@ def sequential_groups(model: nn.Module, units: list, sequential: bool) -> list[t
     return groups
 
 
+def transform_units(planned) -> list[tuple[str, nn.Module]]:
+    """(name, unit) of the planned units a weight transform changes: Linear and experts layers
+    whose weight quantizer is enabled."""
+    return [(p.name, p.module) for p in planned if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]
+
+
 def run_transforms(
     model, forward_loop, planned, plan: AlgorithmPlan, amax_groups, progress: bool, sequential: bool, undo, new_cache=replay.StreamCache
 ) -> tuple[dict[nn.Module, UnitRecord], bool]:
@@ -93,7 +99,7 @@ def run_transforms(
     `replay.StreamCache` a chain's cached inputs go to."""
     root = unwrap(model)
     records = unit_records([(p.name, p.module) for p in planned])
-    units = [(p.name, p.module) for p in planned if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]
+    units = transform_units(planned)
     device = module_device(units[0][1]) if units else torch.device("cpu")
     ctx = Context(model, root, forward_loop, plan, tuple(amax_groups), progress, undo, records, tied_parameters(model), device)
     groups = sequential_groups(model, units, sequential)

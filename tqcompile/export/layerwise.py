@@ -40,8 +40,8 @@ from torch import nn
 
 from tqcompile.calibration import replay
 from tqcompile.calibration.algorithms import Algorithm
-from tqcompile.calibration.layer_stats import TRANSFORM_KINDS, Context, tied_parameters, unit_records
-from tqcompile.calibration.modules import convert_module, kind_of
+from tqcompile.calibration.layer_stats import Context, tied_parameters, unit_records
+from tqcompile.calibration.modules import convert_module
 from tqcompile.calibration.observers import attach_amax_observers, detach_observers
 from tqcompile.calibration.passes import reduce_stats
 from tqcompile.calibration.pipeline import (
@@ -52,11 +52,12 @@ from tqcompile.calibration.pipeline import (
     scale_search_of,
     start_activation_stats,
     start_histograms,
+    static_activations,
     to_convert,
     uses_histogram,
 )
 from tqcompile.calibration.record import CalibrationRecord, set_record
-from tqcompile.calibration.transforms import run_group
+from tqcompile.calibration.transforms import run_group, transform_units
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.readers import trim_heap
 from tqcompile.export.safetensors_io import ShardedWriter
@@ -311,9 +312,8 @@ def calibrate_layerwise(
             inside[int(rest.split(".", 1)[0])].append(p)
         else:
             outer.append(p)
-    transform_units = lambda ps: [p.module for p in ps if kind_of(p.module)[0] in TRANSFORM_KINDS and p.module.weight_quantizer.enabled]  # noqa: E731
     if algo.transforms and transform_units(outer):
-        name = next(p.name for p in outer if p.module in transform_units(outer))
+        name = transform_units(outer)[0][0]
         raise ValueError(
             f"tq.quantize_checkpoint: {algo.describe()} would transform {name!r}, which lies outside the decoder layers "
             f"({lname}) that are calibrated one at a time; exclude it (QuantRule(name={name!r}, weight=False)), or load the "
@@ -331,13 +331,13 @@ def calibrate_layerwise(
     try:
         weights.load(outer_modules)
         chain = _capture(model, layers, batches, replay.StreamCache(cache_bytes, cache_dir))
-        outer_data = any(t.role != "weight" and t.static_kind is not None for t in quantizers_of(outer))
+        outer_data = static_activations(outer)
         if not outer_data:
             weights.release(outer_modules)
         bar = tqdm(total=len(layers), desc=f"calibrating {lname} ({algo.describe()})", unit=" layer", disable=not progress)
         for i, layer in enumerate(layers):
             weights.load(list(layer.modules()))
-            units = transform_units(inside[i])
+            units = [u for _, u in transform_units(inside[i])]
             if algo.transforms and units:
                 ctx.fold_runner = lambda i=i: replay.first_output(chain, i)
                 try:

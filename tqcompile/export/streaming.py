@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tqcompile.calibration.algorithms import SCALE_SEARCH, Algorithm, parse_algorithm
+from tqcompile.calibration.algorithms import Algorithm, parse_algorithm
 from tqcompile.calibration.config import QuantConfig
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
-from tqcompile.calibration.pipeline import check_data_free, prepare, weight_amax
+from tqcompile.calibration.pipeline import check_data_free, check_searches, prepare, weight_amax
 from tqcompile.export.files import check_destination
 from tqcompile.export.layerwise import calibrate_layerwise, check_batches, parameters_on_meta
 from tqcompile.export.readers import safetensors_reader, trim_heap
@@ -160,12 +160,7 @@ def _with_data(path, out, config, data, algo, percentile, kv_scale_search, model
     failure = None
     try:  # everything refused is refused before the calibration, which may take hours
         batches = check_batches(data)
-        if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not (50.0 < percentile <= 100.0):
-            raise ValueError(f"tq.quantize_checkpoint: percentile={percentile!r} is not allowed; allowed: a number in (50, 100]")
-        if kv_scale_search is not None and kv_scale_search not in SCALE_SEARCH:
-            raise ValueError(
-                f"tq.quantize_checkpoint: kv_scale_search={kv_scale_search!r} is not allowed; allowed: None or one of {', '.join(map(repr, SCALE_SEARCH))}"
-            )
+        check_searches(percentile, kv_scale_search, "tq.quantize_checkpoint")
         bound = None if cache_bytes is None else parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
         model = _meta_model(path, buffers=True) if model is None else model
         meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
