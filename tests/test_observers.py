@@ -109,3 +109,58 @@ def test_quant_state_does_not_import_the_pipeline():
     from test_import_graph import import_graph
 
     assert "tqcompile.calibration.pipeline" not in import_graph()["tqcompile.calibration.state"]
+
+
+def test_shared_gram_is_reused_only_for_the_same_unchanged_input():
+    from tqcompile.calibration.layer_stats import SharedGram
+
+    gram, x = SharedGram(), torch.randn(8, 4)
+    first = gram(x, x)
+    assert torch.equal(first, x.T @ x)
+    assert gram(x, x) is first  # the same tensor, unchanged: no second product
+    x.mul_(2.0)  # changed in place: its version counter moved
+    assert torch.equal(gram(x, x), x.T @ x)
+    y = x.clone()  # equal values, another tensor
+    assert gram(y, y) is not gram(x, x)
+    with torch.inference_mode():
+        z = torch.randn(8, 4)
+        assert gram(z, z) is not gram(z, z)  # no version counter: never shared
+
+
+def test_projections_reading_one_input_share_its_gram_and_calibrate_as_before(monkeypatch):
+    """q/k/v read one tensor: its xᵀx is computed once a batch, and GPTQ's result is what separate
+    products give (the same float32 products summed in float64)."""
+    from tqcompile.calibration import layer_stats
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x):
+            return self.o(self.q(x) * self.k(x) + self.v(x))
+
+    def run(share: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(Block(), Block()).eval()
+        asked, products = [0], [0]
+        real = layer_stats.SharedGram.__call__
+
+        def counted(self, source, x):
+            asked[0] += 1
+            before = self._gram
+            out = real(self, source, x) if share else x.T @ x
+            products[0] += out is not before
+            return out
+
+        monkeypatch.setattr(layer_stats.SharedGram, "__call__", counted)
+        tq.calibrate(m, tq.configs.int4_weight_only(16), _loop, algorithm="gptq", progress=False)
+        monkeypatch.undo()
+        return m, asked[0], products[0]
+
+    shared, asked, products = run(True)
+    separate, _, separate_products = run(False)
+    assert asked == separate_products == 2 * 4 * len(BATCHES)  # every layer asks, every batch
+    assert products == 2 * 2 * len(BATCHES)  # q's product serves k and v; o's input is its own
+    for a, b in zip(shared.state_dict().values(), separate.state_dict().values()):
+        assert torch.equal(a, b)

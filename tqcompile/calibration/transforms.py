@@ -40,6 +40,7 @@ from tqcompile.calibration.layer_stats import (
     TRANSFORM_KINDS,
     Context,
     LayerStats,
+    SharedGram,
     UnitRecord,
     input_module,
     per_expert,
@@ -187,10 +188,10 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
     transform and round its layers."""
     plan = ctx.plan
     awq = isinstance(plan.smoothing, AWQ)
-    stats, attached = {}, {}
+    stats, attached, gram = {}, {}, SharedGram()
     for u in members:
         w = weight_of(u)
-        stats[u] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, hessian=plan.gptq is not None or awq, mean=awq)
+        stats[u] = LayerStats(u, w.shape[-1], w.shape[0] if w.dim() == 3 else 1, hessian=plan.gptq is not None or awq, mean=awq, gram=gram)
         # Beside the input's amax observer, and first: a NaN input is reported as the layer statistics word it.
         t = attached[u] = u.input_quantizer.observer
         u.input_quantizer.observer = stats[u] if t is None else Observers(stats[u], t)
@@ -204,6 +205,7 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
         else:
             run_data()
     finally:
+        gram.clear()
         for u, t in attached.items():
             u.input_quantizer.observer = t
         for h in handles:
