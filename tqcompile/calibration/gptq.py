@@ -361,6 +361,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor | list[torch.Tensor], quantizer:
         )
         return _rtn(weight, quantizer, dead, held_amax)
     hinv, added = factor
+    order = perm.tolist()  # a Python int a column: int(perm[j]) costs a tensor index each
     # With E the steps' errors (`err`), W - Q = E U, so tr((W - Q) H (W - Q)^T) = |E|^2 on the dampened
     # H = (U^T U)^-1: GPTQ's output error comes with its steps, where it cost an (out, in) x (in, in) product.
     own_error = 0.0
@@ -369,13 +370,16 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor | list[torch.Tensor], quantizer:
     step = -(-config.block_size // block) * block if gran is Granularity.BLOCKWISE_1D else config.block_size
     for i1 in range(0, in_f, step):
         i2 = min(i1 + step, in_f)
-        # The block's rounded columns gather in q1, written into qw at once: a column of qw is `in`
-        # floats apart row to row (a page each at 4096 inputs), which cost more than rounding it.
-        w1, q1, err = w[:, i1:i2].clone(), w.new_zeros(out_f, i2 - i1), w.new_zeros(out_f, i2 - i1)
+        # The lazy batch is held transposed (`w1t`, `q1t`, `errt`: a column a contiguous row; `w1` its
+        # (out, cols) view): the per-column update, rounding and stores then touch contiguous memory
+        # (1.3-1.6x faster per batch at 512-1408 rows, the same arithmetic), and its rounded columns
+        # are written into qw at once: a column of qw is `in` floats apart row to row.
+        w1t = w[:, i1:i2].T.contiguous()
+        w1, q1t, errt = w1t.T, w.new_zeros(i2 - i1, out_f), w.new_zeros(i2 - i1, out_f)
         h1 = hinv[i1:i2, i1:i2]
         with _one_thread():  # tiny per-column ops: thread hand-offs cost more than they give (measured 100x on 2 busy cores)
             for i in range(i2 - i1):
-                j = int(perm[i1 + i])
+                j = order[i1 + i]
                 col = w1[:, i : i + 1]
                 if blocked is not None:
                     qc = blocked.round_column(w, w1, i1, i, j)
@@ -384,11 +388,12 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor | list[torch.Tensor], quantizer:
                         # The block's scale from its columns as the earlier errors left them (they are in order).
                         amax[:, j // block] = unit_amax(w1[:, i : i + block], rows).reshape(amax[:, j // block].shape)
                     qc = rounder(col, col_amax(j), j // block)
-                q1[:, i] = qc[:, 0]
+                q1t[i] = qc[:, 0]
                 e = (col[:, 0] - qc[:, 0]) / h1[i, i]
-                w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
-                err[:, i] = e
-        qw[:, i1:i2] = q1
+                w1t[i:] -= h1[i, i:, None] * e
+                errt[i] = e
+        qw[:, i1:i2] = q1t.T
+        err = errt.T.contiguous()  # as before: the product and the sum below see the same layout
         w[:, i2:].addmm_(err, hinv[i1:i2, i2:], alpha=-1)  # in place: no (out, in) temporary a block (1.8x at 4096 x 14336)
         own_error += _squares(err)
     q = torch.empty_like(qw)
@@ -419,18 +424,23 @@ class _RoundRows:
 
 
 class _IntColumns(_RoundRows):
-    """Int: each unit's scales computed once, when its first column comes (`unit` changes), and
-    every column rounded in the reference's arithmetic under them (`IntQuantizer.reference_round`:
-    bit for bit `_round_rows`, a third of its time on a 512-wide weight)."""
+    """Int: each unit's scales computed once, kept while the amaxes stay as they are (their version
+    counter: the in-order path sets a group's amax as its first column comes), and every column
+    rounded in the reference's arithmetic under them (`IntQuantizer.reference_round`: bit for bit
+    `_round_rows`, a third of its time on a 512-wide weight). Activation order visits the groups
+    in turns: computed when the unit changed, the scales were recomputed for 84% of the columns."""
 
     def __init__(self, rows: Quantizer):
         super().__init__(rows)
-        self.unit, self.scales = None, None
+        self.version, self.scales = None, {}
 
     def __call__(self, col, amax, unit):
-        if unit != self.unit or self.scales is None:
-            self.unit, self.scales = unit, self.rows.reference_unit_scales(amax)
-        return self.rows.reference_round(col, *self.scales)
+        if amax._version != self.version:
+            self.version, self.scales = amax._version, {}
+        scales = self.scales.get(unit)
+        if scales is None:
+            scales = self.scales[unit] = self.rows.reference_unit_scales(amax)
+        return self.rows.reference_round(col, *scales)
 
 
 @functools.singledispatch
