@@ -7,7 +7,7 @@ A Llama from a config (hidden 512, intermediate 1408, 8 heads, vocab 4096, float
 sequences of 256 tokens in batches of 1, as in issue 28's table. Each variant runs in a fresh
 process (peak RSS is the process's).
 
-    python benchmarks/bench_ptq_depth.py [--layers 2 4 8 16] [--llmc-python /path/to/venv/bin/python] [--no-pass-per-layer]
+    python benchmarks/bench_ptq_depth.py [--layers 2 4 8 16 32] [--llmc-python /path/to/venv/bin/python] [--no-pass-per-layer] [--repeat 3]
 
 A fourth column runs `tq.quantize_checkpoint(..., data=rows, algorithm="gptq")` on the model saved
 as a float32 checkpoint: the model never loaded, one decoder layer read at a time. Each cell gives
@@ -146,26 +146,44 @@ def _child(python: str, what: str, layers: int) -> dict | str:
     return json.loads(line[2:]) if line else f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
 
 
+def _median(rs: list[dict]) -> dict:
+    """The run of median total seconds (its calls, seconds and peak together)."""
+    return sorted(rs, key=lambda r: r["total"])[len(rs) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--llmc-python", default=None, help="llmcompressor 0.14's Python (its own venv)")
     ap.add_argument("--no-pass-per-layer", action="store_true", help="skip the quadratic pass-per-layer column")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds, the variants alternated in each; a cell is the median run")
     args = ap.parse_args()
     print(f"GPTQ W4 g128, Llama hidden {HIDDEN}, {SEQS} x {TOKENS} tokens, 2 threads; calls = decoder-layer forward calls\n")
-    print("seconds: the calibration's, then load + calibrate + save (the layer-by-layer call does all three at once)\n")
+    print("seconds: the calibration's, then load + calibrate + save (the layer-by-layer call does all three at once)"
+          + (f"; the median of {args.repeat} alternated runs" if args.repeat > 1 else "") + "\n")
     print("| L | tq.calibrate (replay): calls / s / s in all / peak MiB | tq pass per layer: calls / s / s in all / peak MiB | "
           "tq.quantize_checkpoint (layer by layer from disk): calls / s / s in all / peak MiB | "
           "llmcompressor 0.14: calls / s / s in all / peak MiB |")
     print("|---|---|---|---|---|")
     for n in args.layers:
-        cells = []
         runs = [(f"run_tq({n}, True)", sys.executable), (f"run_tq({n}, False)", None if args.no_pass_per_layer else sys.executable),
                 (f"run_tq_layerwise({n})", sys.executable), (f"run_llmc({n})", args.llmc_python)]
-        for what, python in runs:
-            r = _child(python, what, n) if python else "not run"
-            cells.append(r if isinstance(r, str) else f"{r['calls']} / {r['seconds']:.1f} / {r['total']:.1f} / {r['peak_mib']:.0f}")
-        print(f"| {n} | " + " | ".join(cells) + " |")
+        results: list[list] = [[] for _ in runs]
+        for _ in range(args.repeat):
+            for k, (what, python) in enumerate(runs):
+                if python:
+                    results[k].append(_child(python, what, n))
+        cells = []
+        for (_, python), rs in zip(runs, results):
+            failed = [r for r in rs if isinstance(r, str)]
+            if not python:
+                cells.append("not run")
+            elif failed:
+                cells.append(failed[0])
+            else:
+                r = _median(rs)
+                cells.append(f"{r['calls']} / {r['seconds']:.1f} / {r['total']:.1f} / {r['peak_mib']:.0f}")
+        print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
