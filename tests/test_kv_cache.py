@@ -88,6 +88,31 @@ def test_calibrated_amax_is_the_cache_entries_max_and_the_cache_stores_them_quan
     assert torch.equal(rows, fake_quantize(rows, PER_HEAD, layer0.key_quantizer.amax))
 
 
+def test_flex_attention_calibrates_and_stores_the_cache_as_sdpa_does():
+    """FlexAttention (transformers' "flex_attention", compiled by transformers itself) reaches the
+    same cache tap and query tap: the amaxes equal sdpa's up to the float rounding that separates
+    the two kernels' outputs, and the cache stores quantized entries. Without gradients: torch 2.13
+    has no FlexAttention backward on CPU (QAT through it needs a GPU)."""
+    cfg = tq.configs.int8().with_rules(QuantRule(key=PER_HEAD, value=PER_TENSOR, query=PER_TENSOR))
+    got = {}
+    with torch.no_grad():
+        for attn in ("sdpa", "flex_attention"):
+            model = tiny("llama", attn)
+            tq.calibrate(model, cfg, loop, kv_scale_search="max", progress=False)
+            got[attn] = model
+    for layer in (0, 1):
+        a, b = (got[k].model.layers[layer].self_attn for k in ("sdpa", "flex_attention"))
+        for slot in ("query_quantizer", "key_quantizer", "value_quantizer"):
+            # Layer 0 sees identical inputs; layer 1 the two kernels' outputs, ~1e-7 apart (measured 2e-7 relative).
+            torch.testing.assert_close(getattr(b, slot).amax, getattr(a, slot).amax, rtol=1e-5 if layer else 0, atol=0)
+    flex = got["flex_attention"]
+    with torch.no_grad():
+        cache = flex(input_ids=batches()[0], use_cache=True).past_key_values
+    amax = flex.model.layers[0].self_attn.value_quantizer.amax
+    assert torch.equal(cache.layers[0].values, fake_quantize(cache.layers[0].values, PER_TENSOR, amax))
+    assert not torch.equal(cache.layers[0].values, float_kv(tiny("llama", "flex_attention"), 0)[1][:2])
+
+
 def test_per_layer_kv_amax_is_the_error_search_by_default_and_the_rest_follows_the_algorithm():
     """By default a per-layer KV amax is the histogram "mse" search, not the largest |k|: one FP8
     scale covers a layer's rare outlier keys (docs/ptq.md measured a lower KL); a per-head KV amax,
