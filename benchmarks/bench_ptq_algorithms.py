@@ -169,6 +169,8 @@ INT4_ROWS = (
     ("AWQ", "awq", "awq"),
     # llmcompressor's AWQ has no clipping search: tq's without it, like for like.
     ("AWQ, clip=False (tq only)", AWQ(clip=False), None),
+    # Candidates scored by the attention's / MLP's output error, as llmcompressor scores them.
+    ("AWQ, loss='output'", AWQ(loss="output"), "awq"),
 )
 W8A8_ROWS = (
     ("naive (tq `max`; llmc QuantizationModifier W8A8)", "max", "w8a8"),

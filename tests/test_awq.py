@@ -278,3 +278,86 @@ def test_clamping_rederives_the_clipped_block_scales_mx(name):
     probe = torch.zeros_like(w)
     probe[:, ::32] = bound
     assert torch.equal(reference.quantize(clamped, q, None, None)[1], reference.quantize(probe, q, None, None)[1])
+
+
+def _tiny_llama():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+LLAMA_DATA = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+@pytest.mark.parametrize("block", ["self_attn", "mlp"])
+def test_output_loss_scores_candidates_by_the_parent_blocks_output_error(monkeypatch, block):
+    """`AWQ(loss="output")`: a candidate for q/k/v (gate/up) is scored by the attention's (MLP's)
+    output error over every batch with those weights rounded as the fold makes them: recomputed
+    here on the float model, and the scales folded are the least-loss candidate's."""
+    import copy
+
+    from tqcompile.calibration import awq_output
+
+    model = _tiny_llama()
+    float_model = copy.deepcopy(model)
+    seen = []  # (consumer names, s, loss) of every candidate scored
+    real = awq_output.parent_loss
+
+    def recording(fold, parent, calls, groups):
+        fn = real(fold, parent, calls, groups)
+        names = sorted(n for n, m in model.named_modules() if any(m is u for u in fold.consumers))
+
+        def loss(s):
+            value = fn(s)
+            seen.append((names, s.clone(), value))
+            return value
+
+        return loss
+
+    monkeypatch.setattr(awq_output, "parent_loss", recording)
+    from tqcompile.calibration import smoothing
+
+    monkeypatch.setattr(smoothing, "parent_loss", recording)
+    tq.calibrate(model, tq.configs.int4_weight_only(32), lambda m: [m(x) for x in LLAMA_DATA],
+                 algorithm=AWQ(loss="output", clip=False, grid=6), progress=False)
+    names = {"self_attn": ["q_proj", "k_proj", "v_proj"], "mlp": ["gate_proj", "up_proj"]}[block]
+    want = sorted(f"model.layers.0.{block}.{n}" for n in names)
+    scored = [(s, v) for n, s, v in seen if n == want]
+    assert len(scored) == 7  # the identity and grid=6 candidates
+    # The loss recomputed on the float model: layer 0's block on its float inputs, its layers rounded.
+    fl = float_model.model.layers[0]
+    parent = getattr(fl, block)
+    calls = []
+    h = parent.register_forward_pre_hook(
+        lambda m, a, kw: calls.append((a, {k: None if k == "past_key_values" else v for k, v in kw.items()})), with_kwargs=True
+    )
+    with torch.no_grad():
+        for x in LLAMA_DATA:
+            float_model(x)
+    h.remove()
+    q = tq.IntQuantizer(tq.Format.INT4, tq.Granularity.BLOCKWISE_1D, block_size=32, grid=tq.IntGrid.FULL)
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
+    out = lambda: [first(parent(*a, **kw)) for a, kw in calls]  # noqa: E731
+    with torch.no_grad():
+        ref = out()
+        originals = {n: getattr(parent, n).weight.clone() for n in names}
+        for s, value in scored:
+            for n in names:
+                getattr(parent, n).weight.copy_(round_to_nearest(originals[n] * s, q) / s)
+            got = out()
+            mse = sum(float((g - r).double().pow(2).sum()) for g, r in zip(got, ref)) / sum(r.numel() for r in ref)
+            assert mse == pytest.approx(value, rel=1e-5)
+    best = min(scored, key=lambda t: t[1])[0]
+    norm = "input_layernorm" if block == "self_attn" else "post_attention_layernorm"
+    folded = getattr(float_model.model.layers[0], norm).weight / getattr(model.model.layers[0], norm).weight
+    torch.testing.assert_close(folded, best, rtol=1e-6, atol=0)
+
+
+def test_output_loss_is_recorded_and_a_bad_loss_is_refused():
+    assert repr(AWQ()) == "AWQ(grid=20, duo_scaling=True, clip=True, clip_grid=20, max_shrink=0.5)"  # as recorded before `loss`
+    assert repr(AWQ(loss="output")).endswith("loss='output')")
+    with pytest.raises(ValueError, match=r"loss='block'.*allowed: 'hessian', 'output'"):
+        AWQ(loss="block")

@@ -186,7 +186,7 @@ def test_smoothquant_smooths_only_what_a_norm_produces_by_default(monkeypatch):
 
 def test_awq_fold_is_bit_exact_with_power_of_two_scales(monkeypatch):
     g = torch.Generator().manual_seed(6)
-    monkeypatch.setattr(sm, "_awq_scales", lambda fold, stats, algo: 2.0 ** torch.randint(-2, 3, (_weight_in(fold),), generator=g).float())
+    monkeypatch.setattr(sm, "_awq_scales", lambda fold, stats, algo, loss_fn=None: 2.0 ** torch.randint(-2, 3, (_weight_in(fold),), generator=g).float())
     ref = _logits(tiny_llama())
     model = tiny_llama()
     _calibrate(model, tq.configs.int4_weight_only(32), tq.AWQ(clip=False))

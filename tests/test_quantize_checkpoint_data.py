@@ -54,6 +54,7 @@ def _calibrated_export(src: str, out: str, config, batches, algorithm) -> None:
 CASES = {
     "int4_g32_gptq": ("llama", lambda: tq.configs.int4_weight_only(32), "gptq"),
     "int4_asym_awq": ("llama", lambda: tq.configs.int4_weight_only(32, grid=tq.IntGrid.ASYMMETRIC), "awq"),
+    "int4_awq_output_loss": ("llama", lambda: tq.configs.int4_weight_only(32), tq.AWQ(loss="output")),
     "w8a8_static_smoothquant_gptq": ("llama", tq.configs.int8, ("smoothquant", "gptq")),
     "w8a8_static_mse": ("llama", tq.configs.int8, "mse"),
     "int4_gptq_fp8_kv": ("llama", lambda: tq.configs.int4_weight_only(32).with_rules(tq.configs.fp8_kv_cache()), "gptq"),

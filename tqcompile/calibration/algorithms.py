@@ -22,6 +22,7 @@ from collections.abc import Sequence
 __all__ = ["GPTQ", "AWQ", "SmoothQuant", "Algorithm", "AlgorithmPlan", "parse_algorithm", "SCALE_SEARCH"]
 
 SCALE_SEARCH = ("max", "percentile", "mse")
+AWQ_LOSSES = ("hessian", "output")
 
 
 def _check_int(owner: str, name: str, value, low: int) -> None:
@@ -82,6 +83,15 @@ class AWQ:
         clip: search a clipping ratio per scale unit after scaling.
         clip_grid: clipping ratios tried, evenly from 1 down to ``1 - max_shrink``.
         max_shrink: the largest fraction of a unit's amax the clipping may remove.
+        loss: what a candidate scale is scored by. "hessian" (the default): the summed output
+            error of the layers that share the input, ``sum tr(D H Dᵀ)`` from their Hessians (no
+            forward run). "output": for layers that share an input (q/k/v, gate/up), the mean
+            squared error of their lowest common parent module's output (the attention, the MLP)
+            on every calibration batch, as llmcompressor scores them: the error as the block
+            passes it on (through the softmax, the activation, o_proj or down_proj), for one
+            more run of the layer and ``grid + 1`` runs of each parent a batch, and the parents'
+            inputs and outputs held for the group. A single layer's fold is scored by its Hessian
+            either way (its own output error: the same objective).
     """
 
     grid: int = 20
@@ -89,6 +99,7 @@ class AWQ:
     clip: bool = True
     clip_grid: int = 20
     max_shrink: float = 0.5
+    loss: str = "hessian"
 
     def __post_init__(self) -> None:
         _check_int("AWQ", "grid", self.grid, 1)
@@ -96,6 +107,13 @@ class AWQ:
         _check_bool("AWQ", "clip", self.clip)
         _check_int("AWQ", "clip_grid", self.clip_grid, 1)
         _check_float("AWQ", "max_shrink", self.max_shrink, 0.0, 1.0)
+        if self.loss not in AWQ_LOSSES:
+            raise ValueError(f"AWQ: loss={self.loss!r} is not allowed; allowed: {', '.join(map(repr, AWQ_LOSSES))}")
+
+    def __repr__(self) -> str:
+        # The default loss is left out: the text `tq.quant_state` records stays what it was before `loss` existed.
+        shown = [f.name for f in dataclasses.fields(self) if f.name != "loss" or self.loss != "hessian"]
+        return f"AWQ({', '.join(f'{n}={getattr(self, n)!r}' for n in shown)})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ without Hadamard transform or stochastic rounding.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -137,6 +137,7 @@ def awq_search(
     h: torch.Tensor | Sequence[torch.Tensor],
     x_mean: torch.Tensor,
     config: AWQ | None = None,
+    loss_fn: Callable[[torch.Tensor], float] | None = None,
 ) -> AWQSearch:
     """AWQ's scale search for the layers whose (out_i, in) `weights` read one input.
 
@@ -147,6 +148,8 @@ def awq_search(
             different rows of the input (MoE experts behind one norm: each expert's Hessian of its
             own tokens, times its share of the tokens, so the losses add up as output errors).
         x_mean: the input's per-channel ``mean|x|`` (in,), non-negative and finite.
+        loss_fn: scores a candidate's scales instead of the Hessians (`tq.AWQ(loss="output")`:
+            `tqcompile.calibration.awq_output.parent_loss`).
 
     Returns the `AWQSearch` with the least output error summed over the layers; the scales are
     float32 (in,), positive and finite; the caller multiplies each weight's columns by them and
@@ -177,8 +180,8 @@ def awq_search(
         w_mean = _weight_mean(ws, quantizers) if config.duo_scaling else None
         best = None
         for r, s in _candidates(x_mean.detach().to(ws[0].device), w_mean, config):
-            loss = 0.0
-            for w, wf, q, h32 in zip(weights, ws, quantizers, h32s):
+            loss = 0.0 if loss_fn is None else loss_fn(s)
+            for w, wf, q, h32 in zip(weights, ws, quantizers, h32s) if loss_fn is None else ():
                 if q is None:
                     continue
                 scaled = (wf * s).to(w.dtype).float()  # the model's weight after folding, in its dtype
@@ -196,9 +199,10 @@ def awq_scales(
     h: torch.Tensor | Sequence[torch.Tensor],
     x_mean: torch.Tensor,
     config: AWQ | None = None,
+    loss_fn: Callable[[torch.Tensor], float] | None = None,
 ) -> torch.Tensor:
     """The per-input-channel scales (in,) float32 of `awq_search` (see there)."""
-    return awq_search(weights, quantizers, h, x_mean, config).scales
+    return awq_search(weights, quantizers, h, x_mean, config, loss_fn).scales
 
 
 def _unit_errors(d: torch.Tensor, h_blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:

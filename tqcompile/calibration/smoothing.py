@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tqcompile.calibration.algorithms import AWQ, SmoothQuant
 from tqcompile.calibration.awq import awq_clip, awq_scales
+from tqcompile.calibration.awq_output import ParentCalls, lowest_common_parent, parent_loss
 from tqcompile.calibration.folds import Fold, FoldRecorder, apply_fold, fold_tolerance, outputs, prove_fold, same_outputs
 from tqcompile.calibration.layer_stats import Context, LayerStats, input_module, per_expert, reads_module_input, weight_of
 from tqcompile.calibration.modules import ExpertGemmQuantizers
@@ -25,8 +26,9 @@ from tqcompile.surgery.names import canonical_modules
 __all__ = ["smooth"]
 
 
-def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> None:
-    """Smooth the group's layers (in place; statistics rescaled to match), then AWQ's clipping."""
+def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder, parents: ParentCalls | None = None) -> None:
+    """Smooth the group's layers (in place; statistics rescaled to match), then AWQ's clipping.
+    `parents`: the recorded calls of the units' common parents, for `tq.AWQ(loss="output")`."""
     algo = ctx.plan.smoothing
     name = "smoothquant" if isinstance(algo, SmoothQuant) else "awq"
     # One run gives the outputs every proof and check compares against: a proof undoes its
@@ -40,7 +42,7 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder) -> 
             s = (
                 _smoothquant_scales(fold, stats[fold.consumers[0]], algo)
                 if name == "smoothquant"
-                else _awq_scales(fold, stats, algo)
+                else _awq_scales(fold, stats, algo, _loss_of(ctx, fold, parents))
             )
         except ValueError as err:  # a weight format the search cannot serve (e.g. NVFP4 with the Hadamard transform)
             left += [(u, str(err)) for u in fold.consumers]
@@ -259,7 +261,16 @@ def _smoothquant_scales(fold: Fold, st: LayerStats, algo: SmoothQuant) -> torch.
     return torch.where(ok, s, torch.ones_like(s)).clamp(1e-5, 1e5)
 
 
-def _awq_scales(fold: Fold, stats: dict, algo: AWQ) -> torch.Tensor:
+def _loss_of(ctx: Context, fold: Fold, parents: ParentCalls | None):
+    """`tq.AWQ(loss="output")`'s loss for a fold of several layers (None: the Hessians')."""
+    if parents is None or len(fold.consumers) < 2:
+        return None
+    parent = lowest_common_parent(fold.consumers, parents.scope)
+    calls = parents.of(parent)
+    return None if calls is None else parent_loss(fold, parent, calls, ctx.amax_groups)
+
+
+def _awq_scales(fold: Fold, stats: dict, algo: AWQ, loss_fn=None) -> torch.Tensor:
     weights, quantizers, hessians = [], [], []
     for u in fold.consumers:
         st = stats[u]
@@ -272,7 +283,7 @@ def _awq_scales(fold: Fold, stats: dict, algo: AWQ) -> torch.Tensor:
     x_mean = stats[fold.consumers[0]].x_mean()
     if not weights:
         return torch.ones_like(x_mean)
-    return awq_scales(weights, quantizers, hessians, x_mean, algo)
+    return awq_scales(weights, quantizers, hessians, x_mean, algo, loss_fn)
 
 
 def _awq_clip(ctx: Context, unit, st: LayerStats, algo: AWQ) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from tqcompile.calibration import replay
 from tqcompile.calibration.algorithms import AWQ, AlgorithmPlan
+from tqcompile.calibration.awq_output import ParentCalls
 from tqcompile.calibration.fake_quant import round_to_nearest, static_weight_amax
 from tqcompile.calibration.folds import FoldRecorder
 from tqcompile.calibration.fused import fused_nvfp4_groups, shared_amax
@@ -199,6 +200,7 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
     # The producers of the layers' inputs are recorded on the first call of the model, or of the
     # replayed layer (they are inside it).
     recorder = FoldRecorder(ctx.model, layer or ctx.root, members, input_module) if plan.smoothing is not None else None
+    parents = ParentCalls(members, layer or ctx.root) if awq and plan.smoothing.loss == "output" else None
     try:
         if run_data is None:
             run_loop(ctx.model, ctx.forward_loop, members, desc, ctx.progress)
@@ -212,10 +214,13 @@ def run_group(ctx: Context, members: list, desc: str, run_data=None, layer: nn.M
             h.remove()
         if recorder is not None:
             recorder.remove()
+        if parents is not None:
+            parents.remove()
     reduce_stats([t for s in stats.values() for t in s.tensors()], ctx.amax_groups, op=torch.distributed.ReduceOp.SUM)
     reduce_stats([s.ch_max for s in stats.values()], ctx.amax_groups)
     if plan.smoothing is not None:
-        smooth(ctx, members, stats, recorder)
+        smooth(ctx, members, stats, recorder, parents)
+        parents = None  # the recorded calls go with the group's smoothing
     held = _fused_nvfp4_amax(ctx, members) if plan.gptq is not None else {}
     for u in members:
         if plan.gptq is not None:
