@@ -3,6 +3,7 @@ loaded) against loading it, `tq.calibrate(..., None)` and `tq.export`, at Llama-
 
     PYTHONPATH=. python benchmarks/bench_quantize_checkpoint.py [--layers 4,8,16] [--in-memory 4,8]
     PYTHONPATH=. python benchmarks/bench_quantize_checkpoint.py --algorithm gptq --data 4x256 --layers 2,4,8 --in-memory 2,4
+    PYTHONPATH=. python benchmarks/bench_quantize_checkpoint.py --algorithm gptq --data 4x256 --layers 8 --in-memory '' --llmc-python ... --side-by-side
 
 For each depth it writes a bfloat16 Llama checkpoint (hidden 4096, intermediate 14336, 32 heads,
 8 KV heads, vocabulary 32000, random weights) shard by shard, without holding the model (so the
@@ -20,6 +21,7 @@ decoder layer at a time, the in-memory run loads the model and calls `tq.calibra
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import resource
@@ -170,6 +172,8 @@ def main() -> None:
     p.add_argument("--algorithm", default="max", help="tq.calibrate's algorithm (with --data for anything but 'max')")
     p.add_argument("--data", default=None, help="calibration rows x tokens, e.g. 4x256 (default: data-free)")
     p.add_argument("--llmc-python", default=None, help="with --algorithm gptq: also llmcompressor 0.14 (its venv's python)")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="run a depth's variants at once, one thread each (the same load on every one; peak RSS is still each process's own)")
     args = p.parse_args()
     work = Path(args.workdir)
     in_memory = {int(v) for v in args.in_memory.split(",") if v}
@@ -182,18 +186,24 @@ def main() -> None:
         runs = [("tq.quantize_checkpoint", _streamed), ("load + calibrate + export", _in_memory)]
         if args.llmc_python and args.algorithm == "gptq" and args.data:
             runs.append(("llmcompressor 0.14 (load + oneshot + save)", None))
-        for how, fn in runs:
-            if fn is _in_memory and layers not in in_memory:
-                continue
-            out = str(work / f"out_{layers}l")
+        runs = [(k, how, fn) for k, (how, fn) in enumerate(runs) if fn is not _in_memory or layers in in_memory]
+
+        def run(k, how, fn, src=src, layers=layers, size=size):
+            out = str(work / f"out_{layers}l_{k}")
             if fn is None:
                 r = _llmc_child(args.llmc_python, str(src), out, args.data)
             else:
                 r = in_fresh_process(fn, str(src), out, args.algorithm, args.data)
             r.update(layers=layers, how=how, checkpoint_gib=size / 2**30, output_gib=_bytes(out) / 2**30)
             print(f"   {how}: {r}", flush=True)
-            rows.append(r)
             shutil.rmtree(out, ignore_errors=True)
+            return r
+
+        if args.side_by_side:
+            with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+                rows += list(pool.map(lambda a: run(*a), runs))
+        else:
+            rows += [run(*a) for a in runs]
         if not args.keep:
             shutil.rmtree(src, ignore_errors=True)
     how = "data-free" if not args.data else f"{args.algorithm}, {args.data} calibration tokens"

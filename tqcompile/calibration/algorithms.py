@@ -88,9 +88,9 @@ class AWQ:
             forward run). "output": for layers that share an input (q/k/v, gate/up), the mean
             squared error of their lowest common parent module's output (the attention, the MLP)
             on every calibration batch, as llmcompressor scores them: the error as the block
-            passes it on (through the softmax, the activation, o_proj or down_proj), for one
-            more run of the layer and ``grid + 1`` runs of each parent a batch, and the parents'
-            inputs and outputs held for the group. A single layer's fold is scored by its Hessian
+            passes it on (through the softmax, the activation, o_proj or down_proj), for
+            ``grid + 1`` runs of each parent a batch (their calls are recorded in the statistics
+            pass) and the parents' inputs and outputs held while the group is calibrated. A single layer's fold is scored by its Hessian
             either way (its own output error: the same objective).
     """
 
