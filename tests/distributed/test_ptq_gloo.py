@@ -293,6 +293,8 @@ INT_CASES = {
     "llama_w4g128_gptq": (_tiny_llama, tq.configs.int4_weight_only(128), "gptq"),
     "llama_w4g32_asym_gptq": (_tiny_llama, tq.configs.int4_weight_only(32, grid=tq.IntGrid.ASYMMETRIC), "gptq"),
     "llama_w4g32_asym_awq": (_tiny_llama, tq.configs.int4_weight_only(32, grid=tq.IntGrid.ASYMMETRIC), "awq"),
+    # The parents' output errors summed over the ranks: every rank picks the union's scales.
+    "llama_w4g32_awq_output_loss": (_tiny_llama, tq.configs.int4_weight_only(32), tq.AWQ(loss="output")),
     "llama_w3g32_rtn": (_tiny_llama, tq.configs.int_weight_only(3, 32), "max"),
     "llama_w3g32_gptq": (_tiny_llama, tq.configs.int_weight_only(3, 32), "gptq"),
     "llama_w2g32_gptq": (_tiny_llama, tq.configs.int_weight_only(2, 32), "gptq"),
