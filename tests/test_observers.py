@@ -164,3 +164,23 @@ def test_projections_reading_one_input_share_its_gram_and_calibrate_as_before(mo
     assert products == 2 * 2 * len(BATCHES)  # q's product serves k and v; o's input is its own
     for a, b in zip(shared.state_dict().values(), separate.state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("algorithm", [tq.GPTQ(act_order=True), tq.GPTQ(act_order=False), tq.AWQ(loss="output")])
+def test_calibrating_under_inference_mode_gives_what_it_gives_without(algorithm):
+    """Inference tensors have no version counter: the statistics and GPTQ's rounding must not rely on
+    one (a loop written under torch.inference_mode() failed with GPTQ once they did)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    data = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    got = []
+    for inference in (False, True):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        with torch.inference_mode(inference):
+            tq.calibrate(model, tq.configs.int4_weight_only(32), lambda m: [m(x) for x in data], algorithm=algorithm, progress=False)
+        got.append(model.state_dict())
+    for (k, a), b in zip(got[0].items(), got[1].values()):
+        assert torch.equal(a, b), k

@@ -179,13 +179,16 @@ def awq_search(
         h32s = [h.to(ws[0].device, torch.float32)] * len(ws) if shared else [hi.to(ws[0].device, torch.float32) for hi in hs]
         w_mean = _weight_mean(ws, quantizers) if config.duo_scaling else None
         best = None
+        def hessian_loss(s: torch.Tensor) -> float:
+            loss = 0.0
+            for w, wf, q, h32 in zip(weights, ws, quantizers, h32s):
+                if q is not None:
+                    scaled = (wf * s).to(w.dtype).float()  # the model's weight after folding, in its dtype
+                    loss += _output_error(wf - round_to_nearest(scaled, q) / s, h32)
+            return loss
+
         for r, s in _candidates(x_mean.detach().to(ws[0].device), w_mean, config):
-            loss = 0.0 if loss_fn is None else loss_fn(s)
-            for w, wf, q, h32 in zip(weights, ws, quantizers, h32s) if loss_fn is None else ():
-                if q is None:
-                    continue
-                scaled = (wf * s).to(w.dtype).float()  # the model's weight after folding, in its dtype
-                loss += _output_error(wf - round_to_nearest(scaled, q) / s, h32)
+            loss = (loss_fn or hessian_loss)(s)
             if best is None:
                 best = identity = AWQSearch(s, None, loss, loss)
             elif loss < best.loss:

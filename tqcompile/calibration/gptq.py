@@ -387,6 +387,7 @@ def _gptq(weight: torch.Tensor, h: torch.Tensor | list[torch.Tensor], quantizer:
                     if gran is Granularity.BLOCKWISE_1D and not config.act_order and j % block == 0:
                         # The block's scale from its columns as the earlier errors left them (they are in order).
                         amax[:, j // block] = unit_amax(w1[:, i : i + block], rows).reshape(amax[:, j // block].shape)
+                        rounder.amax_changed(j // block)
                     qc = rounder(col, col_amax(j), j // block)
                 q1t[i] = qc[:, 0]
                 e = (col[:, 0] - qc[:, 0]) / h1[i, i]
@@ -418,25 +419,29 @@ class _RoundRows:
     def __init__(self, rows: Quantizer):
         self.rows = rows
 
+    def amax_changed(self, unit: int) -> None:
+        """Unit `unit`'s amax was set anew (nothing held here)."""
+
     def __call__(self, col: torch.Tensor, amax: torch.Tensor, unit: int) -> torch.Tensor:
         # Two copies of the column: 4-bit payloads pack pairs (the element arithmetic is per element).
         return _round_rows(col.expand(-1, 2), self.rows, amax)[:, :1]
 
 
 class _IntColumns(_RoundRows):
-    """Int: each unit's scales computed once, kept while the amaxes stay as they are (their version
-    counter: the in-order path sets a group's amax as its first column comes), and every column
-    rounded in the reference's arithmetic under them (`IntQuantizer.reference_round`: bit for bit
+    """Int: each unit's scales computed once, kept until `amax_changed` says the unit's amax was
+    set (the in-order path sets a group's amax as its first column comes), and every column rounded
+    in the reference's arithmetic under them (`IntQuantizer.reference_round`: bit for bit
     `_round_rows`, a third of its time on a 512-wide weight). Activation order visits the groups
     in turns: computed when the unit changed, the scales were recomputed for 84% of the columns."""
 
     def __init__(self, rows: Quantizer):
         super().__init__(rows)
-        self.version, self.scales = None, {}
+        self.scales: dict[int, tuple] = {}
+
+    def amax_changed(self, unit: int) -> None:
+        self.scales.pop(unit, None)
 
     def __call__(self, col, amax, unit):
-        if amax._version != self.version:
-            self.version, self.scales = amax._version, {}
         scales = self.scales.get(unit)
         if scales is None:
             scales = self.scales[unit] = self.rows.reference_unit_scales(amax)
