@@ -43,12 +43,13 @@ def _ancestors(m: nn.Module, up: dict[int, nn.Module]) -> list[nn.Module]:
     return chain
 
 
-def lowest_common_parent(units: list, scope: nn.Module) -> nn.Module | None:
+def lowest_common_parent(units: list, scope: nn.Module, up: dict[int, nn.Module] | None = None) -> nn.Module | None:
     """The deepest module under `scope` (or `scope` itself) containing every one of `units` (None:
-    fewer than two units, or one not under `scope`)."""
+    fewer than two units, or one not under `scope`). `up`: `scope`'s parent map, when the caller
+    asks for many sets under one scope."""
     if len(units) < 2:
         return None
-    up = _parents(scope)
+    up = _parents(scope) if up is None else up
     chains = [_ancestors(u, up) for u in units]  # nearest first, ending at `scope`
     if any(not c for c in chains):
         return None
@@ -67,10 +68,10 @@ class ParentCalls:
     def __init__(self, units: list, scope: nn.Module):
         self.scope = scope
         self.calls: dict[int, list[tuple[tuple, dict, torch.Tensor]]] = {}
-        parents = {}
+        parents, up = {}, _parents(scope)  # one map for every pair (a whole model's units without replay)
         for i, a in enumerate(units):
             for b in units[i + 1 :]:
-                p = lowest_common_parent([a, b], scope)
+                p = lowest_common_parent([a, b], scope, up)
                 if p is not None:
                     parents[id(p)] = p
         self._handles = []
