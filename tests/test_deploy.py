@@ -102,12 +102,24 @@ FP8_ROWS = tq.Float8Quantizer(tq.Format.E4M3, Granularity.ROWWISE)
         (FP8_ROWS, FP8_ROWS, (128, 256), "cuda", "scaled_mm"),
         (FP8, FP8_ROWS, (128, 256), "cuda", "dequantize"),  # mixed granularities
         (INT8_ROWS, INT8_TENSOR, (128, 256), "cuda", "int_mm"),
-        (INT8_ROWS, None, (128, 256), "cuda", "dequantize"),
+        (INT8_ROWS, None, (128, 256), "cuda", "int8pack_mm"),
+        (INT8_TENSOR, None, (128, 256), "cuda", "dequantize"),
+        (INT4_G, None, (96, 256), "cuda", "int4pack_mm"),  # CUDA's kernel: N % 8
+        (INT4_G, None, (100, 256), "cuda", "dequantize"),
+        (INT4_G, None, (96, 192), "cuda", "dequantize"),  # K % 128
+        (tq.IntQuantizer(tq.Format.INT4, Granularity.ROWWISE), None, (128, 96), "cuda", "int4pack_mm"),  # as blocks of 32
+        (INT4_G, INT8_ROWS, (128, 256), "cuda", "dequantize"),
         (tq.NVFP4Quantizer(), tq.NVFP4Quantizer(), (128, 256), "cuda", "dequantize"),
     ],
 )
 def test_the_kernel_rule(weight, inp, shape, device, kernel):
     assert linear_kernel(weight, inp, shape, device)[0] == kernel
+
+
+def test_cuda_int4_kernel_takes_bfloat16_only():
+    kernel, why = linear_kernel(INT4_G, None, (128, 256), "cuda", torch.float16)
+    assert kernel == "dequantize" and "torch.float16" in why and "bfloat16" in why
+    assert linear_kernel(INT4_G, None, (128, 256), "cpu", torch.float32)[0] == "int4pack_mm"
 
 
 # --- one layer: the integer kernels' bound ----------------------------------------------------

@@ -28,7 +28,7 @@ from tqcompile.quantizers import Granularity, Quantizer, geometry
 from tqcompile.quantizers.scaling import saturate
 from tqcompile.tensor import _HANDLERS, QuantizedTensor
 
-__all__ = ["Int4PackedCPUTensor", "pack", "unpack"]
+__all__ = ["Int4PackedCPUTensor", "pack", "unpack", "scales_and_zeros"]
 
 aten = torch.ops.aten
 _ROW_BLOCK = 64
@@ -51,6 +51,16 @@ def unpack(packed: torch.Tensor, q: Quantizer) -> torch.Tensor:
     return codec.pack(codec.encode(unsigned.float() - 8, *q.code_range()))
 
 
+def scales_and_zeros(qt: QuantizedTensor, block: int) -> torch.Tensor:
+    """The INT4 kernels' (K / block, N, 2) scales and zeros of `qt`'s (N, K) weight, in its dtype.
+    The kernels (CPU and CUDA alike) compute ``(c + 8 - 8) * scale + zero``: an asymmetric unit's
+    zero point z is ``zero = -z * scale``; one scale per row is repeated over the row's blocks."""
+    per_unit = qt._scale_inv if qt.quantizer.has_zero_point() else torch.stack((qt._scale_inv, torch.zeros_like(qt._scale_inv)), -1)
+    scale, zero = per_unit[..., 0], -per_unit[..., 1] * per_unit[..., 0]
+    sz = torch.stack((scale, zero), -1).repeat_interleave(qt.shape[1] // block // scale.shape[1], 1)
+    return sz.transpose(0, 1).to(qt.orig_dtype).contiguous()
+
+
 _OPS = (aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.default, aten._to_copy.default, aten.is_pinned.default)
 
 
@@ -58,16 +68,17 @@ class Int4PackedCPUTensor(QuantizedTensor):
     """An (N, K) INT4 weight quantized in blocks along K, its payload in the CPU INT4 kernel's
     layout (module docstring). Made by `from_quantized`; read by `tqcompile.deploy.kernels`."""
 
+    _DEVICE = "cpu"  # the device type whose kernel reads this layout
+
     @classmethod
     def from_quantized(cls, qt: QuantizedTensor, block: int) -> Int4PackedCPUTensor:
         """`qt`'s (N, K) INT4 weight for the kernel's blocks of `block` (its own 1-D blocks, or,
         for one scale per row, the row's scale repeated over its K / block kernel blocks)."""
-        per_unit = qt._scale_inv if qt.quantizer.has_zero_point() else torch.stack((qt._scale_inv, torch.zeros_like(qt._scale_inv)), -1)
-        # The kernel computes (c + 8 - 8) * scale + zero: an asymmetric unit's zero point z is zero = -z * scale.
-        scale, zero = per_unit[..., 0], -per_unit[..., 1] * per_unit[..., 0]
-        sz = torch.stack((scale, zero), -1).repeat_interleave(qt.shape[1] // block // scale.shape[1], 1)
-        sz = sz.transpose(0, 1).to(qt.orig_dtype).contiguous()
-        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=pack(qt._data, qt.quantizer), _scale_inv=sz)
+        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=cls._pack(qt._data, qt.quantizer), _scale_inv=scales_and_zeros(qt, block))
+
+    @staticmethod
+    def _pack(payload: torch.Tensor, q: Quantizer) -> torch.Tensor:
+        return pack(payload, q)
 
     @property
     def block_size(self) -> int:
@@ -95,23 +106,22 @@ class Int4PackedCPUTensor(QuantizedTensor):
         return saturate(w, dtype or self.orig_dtype)
 
     def __repr__(self) -> str:
-        return f"Int4PackedCPUTensor(shape={tuple(self.shape)}, dtype={self.orig_dtype}, {self.quantizer!r})"
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.orig_dtype}, {self.quantizer!r})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name, dev = cls.__name__, cls._DEVICE
         if func not in _OPS:
             raise NotImplementedError(
-                f"Int4PackedCPUTensor does not support {func}: it holds the CPU INT4 kernel's packed layout; "
+                f"{name} does not support {func}: it holds the {dev.upper()} INT4 kernel's packed layout; "
                 "call .dequantize() for the weight, or deploy from the calibrated model again (tq.compress)"
             )
-        if func is aten._to_copy.default and torch.device(kwargs.get("device") or "cpu").type != "cpu":
+        if func is aten._to_copy.default and torch.device(kwargs.get("device") or dev).type != dev:
             raise NotImplementedError(
-                f"Int4PackedCPUTensor.to(device={kwargs['device']}): its layout is the CPU kernel's; move the calibrated "
+                f"{name}.to(device={kwargs['device']}): its layout is the {dev.upper()} kernel's; move the calibrated "
                 "model to the device and run tq.compress there"
             )
-        if func is aten.copy_.default and not isinstance(args[1], Int4PackedCPUTensor):
-            raise NotImplementedError(
-                f"Int4PackedCPUTensor.copy_ from {type(args[1]).__name__}: load a state_dict saved from a deployed model (tq.compress)"
-            )
+        if func is aten.copy_.default and not isinstance(args[1], cls):
+            raise NotImplementedError(f"{name}.copy_ from {type(args[1]).__name__}: load a state_dict saved from a deployed model (tq.compress)")
         return _HANDLERS[func](func, args, kwargs)

@@ -11,6 +11,9 @@ One rule, `linear_kernel`, chooses per layer from the weight's quantizer, the in
 |                 |        | bits) in blocks of 32-256 of K,|                                |                                        |
 |                 |        | or per row (K % 32 == 0)       |                                |                                        |
 | ``int_mm``      | CUDA   | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (M > 16, K, N % 8)   |
+| ``int8pack_mm`` | CUDA   | INT8, one scale per row        | none (weight-only)             | ``torch._weight_int8pack_mm`` (M <= 16)|
+| ``int4pack_mm`` | CUDA   | INT4 (INT3, INT2) as on CPU,   | none (weight-only), bfloat16   | ``torch._weight_int4pack_mm``          |
+|                 |        | N % 8 == 0, K % 32 == 0        |                                | (tinygemm)                             |
 | ``scaled_mm``   | CUDA   | FP8, per tensor or per row     | FP8, per tensor or per row     | ``tqcompile::gemm_tn`` (`_scaled_mm`)  |
 | ``dequantize``  | any    | anything else                  | anything                       | dequantized weight, ``F.linear``       |
 
@@ -75,29 +78,50 @@ def _int4_grain(q: Quantizer) -> str:
     return "one scale per output channel" if gran is Granularity.ROWWISE else f"blocks of {block}"
 
 
-def linear_kernel(weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[int, int], device: torch.device | str) -> tuple[str, str]:
+def _int4_weight_only(weight_q: Quantizer, input_q: Quantizer | None) -> bool:
+    gran, axis, _ = weight_q.layout()
+    fmt = weight_q.element_format()
+    return fmt.is_int and fmt.bits <= 4 and input_q is None and axis == -1 and gran in (Granularity.BLOCKWISE_1D, Granularity.ROWWISE)
+
+
+def _int4_kernel(weight_q: Quantizer, n: int, k: int, device: str, dtype: torch.dtype) -> tuple[str, str]:
+    """The INT4 weight-only row of the rule: the device's INT4 kernel where its shape rules hold."""
+    name, block = weight_q.element_format().name, int4_kernel_block(weight_q, k)
+    where = "the CPU INT4 kernel" if device == "cpu" else "CUDA's INT4 kernel (tinygemm)"
+    if device == "cuda" and dtype != torch.bfloat16:
+        return "dequantize", f"{name} weight-only in {dtype}: {where} takes bfloat16 activations only"
+    if block is None:
+        return "dequantize", f"{name} {_int4_grain(weight_q)} on K={k}: {where} takes blocks of {INT4_BLOCKS}"
+    n_mult = 64 if device == "cpu" else 8  # blocks are multiples of 32: CUDA's K % 32 holds with K % block
+    if n % n_mult or k % block:
+        return "dequantize", f"{name} weight of shape {(n, k)}: {where} wants N % {n_mult} == 0 and K % {block} == 0"
+    why = f"{name} weight-only, {_int4_grain(weight_q)}" + (f" (as blocks of {block})" if weight_q.layout()[0] is Granularity.ROWWISE else "")
+    return "int4pack_mm", why + ("" if weight_q.element_format().bits == 4 else ": its codes in the INT4 kernel's 4 bits")
+
+
+def linear_kernel(
+    weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[int, int], device: torch.device | str, dtype: torch.dtype = torch.bfloat16
+) -> tuple[str, str]:
     """(kernel, why) for a linear layer of (N, K) weight `shape` quantized by `weight_q`, whose
-    input is quantized by `input_q` (None: weight-only), on `device`. See the module docstring."""
+    input is quantized by `input_q` (None: weight-only), on `device`, in the model's `dtype`
+    (the weight's: CUDA's INT4 kernel takes bfloat16 only). See the module docstring."""
     n, k = shape
     kind = torch.device(device).type
-    gran, axis, block = weight_q.layout()
-    fmt = weight_q.element_format()
+    gran = weight_q.layout()[0]
     if kind == "cpu":
         if _int8_rows(weight_q) and _int8_activation(input_q):
             return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM"
         if _int8_rows(weight_q) and input_q is None:
             return "int8pack_mm", "INT8 weight-only per channel"
-        if fmt.is_int and fmt.bits <= 4 and input_q is None and axis == -1 and gran in (Granularity.BLOCKWISE_1D, Granularity.ROWWISE):
-            name, block = fmt.name, int4_kernel_block(weight_q, k)
-            if block is None:
-                return "dequantize", f"{name} {_int4_grain(weight_q)} on K={k}: the CPU INT4 kernel takes blocks of {INT4_BLOCKS}"
-            if n % 64 or k % block:
-                return "dequantize", f"{name} weight of shape {(n, k)}: the CPU INT4 kernel wants N % 64 == 0 and K % {block} == 0"
-            why = f"{name} weight-only, {_int4_grain(weight_q)}" + (f" (as blocks of {block})" if gran is Granularity.ROWWISE else "")
-            return "int4pack_mm", why + ("" if fmt.bits == 4 else ": its codes in the INT4 kernel's 4 bits")
+        if _int4_weight_only(weight_q, input_q):
+            return _int4_kernel(weight_q, n, k, kind, dtype)
     elif kind == "cuda":
         if _int8_rows(weight_q) and _int8_activation(input_q) and k % 8 == 0 and n % 8 == 0:
             return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM (M <= 16 dequantizes)"
+        if _int8_rows(weight_q) and input_q is None:
+            return "int8pack_mm", "INT8 weight-only per channel: CUDA's INT8 GEMV for M <= 16 tokens (more dequantize: tensor cores)"
+        if _int4_weight_only(weight_q, input_q):
+            return _int4_kernel(weight_q, n, k, kind, dtype)
         if input_q is not None and weight_q.scaled_mm_operand() and input_q.scaled_mm_operand():
             grans = {gran, input_q.layout()[0]}
             if grans <= {Granularity.TENSORWISE, Granularity.ROWWISE} and len(grans) == 1:
@@ -119,6 +143,9 @@ def weight_only_mm(x: torch.Tensor, weight, kernel_scale: torch.Tensor | None, k
     if kernel == "int8pack_mm":
         s = kernel_scale if kernel_scale.dtype == x.dtype else kernel_scale.to(x.dtype)
         return torch._weight_int8pack_mm(x, weight._data, s)
+    if kernel == "int4pack_mm" and x.device.type == "cuda":  # bfloat16 only: another dtype (autocast) goes through it
+        y = torch._weight_int4pack_mm(x.to(torch.bfloat16), weight._data, weight.block_size, weight._scale_inv)
+        return y.to(x.dtype)
     if kernel == "int4pack_mm":
         s = weight._scale_inv if weight._scale_inv.dtype == x.dtype else weight._scale_inv.to(x.dtype)
         return torch._weight_int4pack_mm_for_cpu(x, weight._data, weight.block_size, s)
@@ -146,6 +173,8 @@ def packed_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if kernel in ("int8pack_mm", "int4pack_mm"):
+        if kernel == "int8pack_mm" and x.device.type == "cuda" and x2.shape[0] > 16:  # a GEMV: tensor cores win above
+            return F.linear(x, weight.dequantize(), bias)
         y = weight_only_mm(x2, weight, kernel_scale, kernel)
     elif kernel == "int_mm":
         if x.device.type == "cuda" and x2.shape[0] <= 16:  # CUDA's _int_mm wants M > 16

@@ -32,6 +32,7 @@ from tqcompile.calibration.modules import (
     slots_of,
 )
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
+from tqcompile.deploy.int4_cuda import Int4PackedCUDATensor
 from tqcompile.deploy.kernels import int4_kernel_block, linear_kernel, packed_linear
 from tqcompile.deploy.packed import PackedModule
 from tqcompile.nn.experts import ExpertsRouting
@@ -144,9 +145,10 @@ def _pack_linear(name: str, module: nn.Module, fallback: str) -> None:
     amax = _static_amax(slots["weight"], f"the weight quantizer of {name!r}")
     qt = quantize_usages(w, None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
     input_q = slots["input"].quantizer
-    kernel, why = linear_kernel(q, input_q, tuple(w.shape), w.device)
+    kernel, why = linear_kernel(q, input_q, tuple(w.shape), w.device, w.dtype)
     if kernel == "int4pack_mm":
-        qt = Int4PackedCPUTensor.from_quantized(qt, int4_kernel_block(q, w.shape[1]))
+        packed_class = Int4PackedCUDATensor if w.device.type == "cuda" else Int4PackedCPUTensor
+        qt = packed_class.from_quantized(qt, int4_kernel_block(q, w.shape[1]))
     if kernel == "dequantize" and fallback == "dequantized":
         packed, kernel, why = qt.dequantize(), "dequantized", f"{why}; kept dequantized (fallback='dequantized')"
     else:

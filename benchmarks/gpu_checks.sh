@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a CUDA machine (the project's lent H100/H200: docs/support.md).
+# Writes its reports under $OUT (default /tmp/tq_gpu_checks):
+#   env.txt      GPU, driver, Python/torch/Triton/transformers versions, each step's status and time
+#   kernels.md   benchmarks/bench_cuda_kernels.py: probes of the native GEMMs, deployed layers vs bf16
+#   tests.txt    tests/test_cuda.py and the CUDA test of tests/test_triton_kernels.py
+#   demo.txt     `tqcompile demo --device cuda` (the README's main job on a GPU), demo.png/json beside
+
+# Each step has its own time limit, so one that fails or hangs leaves the others' reports.
+#
+#   bash benchmarks/gpu_checks.sh
+set -u
+OUT=${OUT:-/tmp/tq_gpu_checks}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+T0=$(date +%s)
+log() { echo "$1 rc=$2 at $(($(date +%s) - T0)) s" >>"$OUT/env.txt"; }
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+    python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 | tail -1
+    nproc
+} >"$OUT/env.txt" 2>&1
+
+# 1. Alone on the GPU (timings): probes and one layer per preset at 8B widths.
+timeout "${KERNELS_S:-150}" python benchmarks/bench_cuda_kernels.py --compiled >"$OUT/kernels.md" 2>&1
+log kernels $?
+
+# 2. The tests and the demo side by side (compiles are CPU-bound; the GPU work is small).
+timeout "${DEMO_S:-280}" python -c "import sys; from tqcompile.cli import main; sys.exit(main(sys.argv[1:]))" \
+    demo --device cuda --steps 150 --plot "$OUT/demo.png" --results "$OUT/demo.json" >"$OUT/demo.txt" 2>&1 &
+DEMO=$!
+timeout "${TESTS_S:-280}" python -m pytest -q -p no:cacheprovider -n 4 -rfE tests/test_cuda.py tests/test_triton_kernels.py -k cuda >"$OUT/tests.txt" 2>&1
+log tests $?
+wait $DEMO
+log demo $?
+
