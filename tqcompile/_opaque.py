@@ -13,11 +13,15 @@ each use of an old name (13 lines at `import tqcompile` on 2.14.1):
 
 (the last three in `torch._library.opaque_object`; on 2.14 `OpaqueBase` is an alias of
 `CustomClassBase`). This module picks by what the installed torch has, not by its version
-string, and is the only place in tqcompile that names them. Checked on torch 2.13.0 and 2.14.1.
+string, and is the only place in tqcompile that names them. One thing it tells by version: torch
+before 2.13 traces a value opaque object as a fake script object whose members Dynamo reads only
+where they were registered, so there every member is (`_members`). Checked on torch 2.11.0
+(compiled on a CPU, and on an H200), 2.13.0 and 2.14.1.
 """
 
 from __future__ import annotations
 
+import torch
 from torch._library import opaque_object
 
 try:
@@ -31,6 +35,27 @@ _register = getattr(opaque_object, "register_custom_class", None)
 # `is_opaque_value_type` is missing from the oldest torch tqcompile supports (torch_export.py asks).
 _is_value_type = getattr(opaque_object, "is_opaque_constant_type", None) or getattr(opaque_object, "is_opaque_value_type", None)
 CAN_TELL_VALUE_TYPES = _is_value_type is not None
+# torch before 2.13 traces a value opaque object as a fake script object that reads registered
+# members only (`_members`); 2.13 traces the real object, and a member list there would make Dynamo
+# call each method with constant arguments only (measured: a quantizer method taking a tensor failed).
+_READS_REGISTERED_MEMBERS_ONLY = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+def _members(cls: type) -> dict:
+    """Every field, property and method of `cls` (of the dunders, comparison, hash and repr) as `MemberType.USE_REAL`: read
+    on the real object while tracing and baked into the graph as a constant.
+
+    torch 2.11 hands Dynamo a value opaque object as a fake script object, whose members Dynamo
+    reads only where they were registered (measured: `self.recipe.amax_history_len` in a compiled
+    forward failed with "Attempted to access unregistered member on an OpaqueObject" on 2.11.0,
+    CPU and CUDA alike); 2.13 and 2.14 trace the real object and ignore the list. A value object is
+    frozen, so each member's value is a constant of the guarded object."""
+    import dataclasses
+
+    names = {n for n in dir(cls) if not n.startswith("__")} | {"__eq__", "__ne__", "__hash__", "__repr__", "__str__"}
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    return dict.fromkeys(sorted(names), opaque_object.MemberType.USE_REAL)
 
 
 def register_value_type(cls: type) -> None:
@@ -38,7 +63,9 @@ def register_value_type(cls: type) -> None:
     opaque type: an argument of custom ops that Dynamo guards on by `__eq__`."""
     if _register is not None:
         _register(cls, typ="constant")
-    else:
+    elif _READS_REGISTERED_MEMBERS_ONLY:
+        opaque_object.register_opaque_type(cls, typ="value", members=_members(cls))
+    else:  # 2.13: a member list would route every method call through USE_REAL (constant arguments only)
         opaque_object.register_opaque_type(cls, typ="value")
 
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from tqcompile import ops
 from tqcompile.groups import group_name_of
 from tqcompile.quantizers import Quantizer
+from tqcompile.quantizers.base import padded_shape, shape_error
 from tqcompile.tensor import QuantizedTensor, quantize_usages
 
 __all__ = ["quantize", "SUPPORTED_DTYPES"]
@@ -86,19 +87,20 @@ def quantize(
             f"(cast first, e.g. x.float())"
         )
         x = ops.raise_error(TypeError, message, x, x.shape, torch.float32)
-    if quantizer.shape_error(x.shape) is not None:
+    # Functions, not methods: torch 2.11's Dynamo calls a quantizer's methods with constants only.
+    if shape_error(quantizer, x.shape) is not None:
         shape = ops.static_shape(x.shape)  # a constant message under dynamic shapes too
-        x = ops.raise_error(ValueError, quantizer.shape_error(shape), x, quantizer.padded_shape(shape))
+        x = ops.raise_error(ValueError, shape_error(quantizer, shape), x, padded_shape(quantizer, shape))
     x_t = None
     if columnwise:
         if x.dim() < 1:
             raise ValueError("tq.quantize: columnwise usage needs a tensor with at least 1 dim")
         x_t = x.reshape(x.shape[:-1].numel(), x.shape[-1]).t()  # not reshape(-1, K): ambiguous when K == 0
-        if quantizer.shape_error(x_t.shape) is not None:
+        if shape_error(quantizer, x_t.shape) is not None:
             shape_t = ops.static_shape(x_t.shape)
-            problem = quantizer.shape_error(shape_t)
+            problem = shape_error(quantizer, shape_t)
             message = f"tq.quantize: columnwise usage quantizes the transpose, of shape {shape_t}: {problem}"
-            padded_t = quantizer.padded_shape(shape_t)
+            padded_t = padded_shape(quantizer, shape_t)
             x = ops.raise_error(ValueError, message, x, None if padded_t is None else padded_t[::-1])
             x_t = x.t()
     if seed is not None and not isinstance(seed, torch.Tensor):

@@ -30,6 +30,7 @@ from tqcompile.quantizers import (
     Quantizer,
     ScaleRounding,
 )
+from tqcompile.quantizers.base import shape_error
 
 __all__ = [
     "Recipe",
@@ -120,27 +121,7 @@ class Recipe(OpaqueBase):
         `num_tokens` is the layer's token count (batch x sequence); left out, a count that is a
         multiple of every block size is assumed, so only the feature sizes are checked.
         `backward=False` checks the forward GEMM's operands only (inference)."""
-        m = _PROBE_ROWS if num_tokens is None else num_tokens
-        shapes = {
-            "fprop_input": (m, in_features),
-            "fprop_weight": (out_features, in_features),
-            "dgrad_grad": (m, out_features),
-            "dgrad_weight": (in_features, out_features),
-            "wgrad_grad": (out_features, m),
-            "wgrad_input": (in_features, m),
-        }
-        for field, shape in shapes.items():
-            q = getattr(self, field)
-            if q is None or (not backward and not field.startswith("fprop")):
-                continue
-            # shape_error, not check_shape in a try: traced code gets a plain string (tqcompile.ops.errors).
-            e = q.shape_error(shape)
-            if e is None:
-                continue
-            if num_tokens is not None and m in shape:
-                return f"{field} operand of shape {shape} ({m} tokens = batch x sequence): {e}"
-            return f"{field} operand of shape {shape}: {e}"
-        return None
+        return unsupported_reason(self, in_features, out_features, num_tokens, backward=backward)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
@@ -248,3 +229,29 @@ def get(name: str) -> Recipe:
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; allowed: {', '.join(RECIPES)}")
     return RECIPES[name]()
+
+
+def unsupported_reason(recipe: Recipe, in_features: int, out_features: int, num_tokens: int | None = None, *, backward: bool = True) -> str | None:
+    """`Recipe.unsupported_reason`, as a function: compiled code calls it with a symbolic token
+    count, and torch 2.11's Dynamo calls a value opaque object's methods with constants only."""
+    m = _PROBE_ROWS if num_tokens is None else num_tokens
+    shapes = {
+        "fprop_input": (m, in_features),
+        "fprop_weight": (out_features, in_features),
+        "dgrad_grad": (m, out_features),
+        "dgrad_weight": (in_features, out_features),
+        "wgrad_grad": (out_features, m),
+        "wgrad_input": (in_features, m),
+    }
+    for field, shape in shapes.items():
+        q = getattr(recipe, field)
+        if q is None or (not backward and not field.startswith("fprop")):
+            continue
+        # shape_error, not check_shape in a try: traced code gets a plain string (tqcompile.ops.errors).
+        e = shape_error(q, shape)
+        if e is None:
+            continue
+        if num_tokens is not None and m in shape:
+            return f"{field} operand of shape {shape} ({m} tokens = batch x sequence): {e}"
+        return f"{field} operand of shape {shape}: {e}"
+    return None

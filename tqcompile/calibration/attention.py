@@ -206,14 +206,16 @@ class _HFAttentionKV(AttentionQuantizers):
     tq_eager_attention: Callable | None  # the model file's eager_attention_forward (`kv_layout`)
 
     # A data descriptor: found before the instance's own ``config`` (the model's), which it wraps.
+    # It reads the copy `tq_model_config` (`convert_module` sets it): torch 2.11's Dynamo turned
+    # ``self.__dict__["config"]`` back into this property, and recursed (measured, a compiled decode step).
     @property
     def config(self) -> Any:
-        config = self.__dict__["config"]
+        config = self.tq_model_config
         return _QueryTapConfig(config) if self.quantizes_query() else config
 
     @config.setter
     def config(self, value: Any) -> None:
-        self.__dict__["config"] = value
+        self.__dict__["config"] = self.__dict__["tq_model_config"] = value
 
     def forward(self, *args, **kwargs):
         i, tap = self.tq_cache_arg, self.tq_cache_tap

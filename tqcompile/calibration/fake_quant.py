@@ -37,6 +37,7 @@ from torch import nn
 from tqcompile.api import quantize
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.quantizers import Granularity, Quantizer
+from tqcompile.quantizers.base import in_range
 
 __all__ = [
     "fake_quantize",
@@ -83,8 +84,8 @@ def round_to_nearest(w: torch.Tensor, q: Quantizer, *, amax: torch.Tensor | None
 
 
 def _in_range(x: torch.Tensor, amax: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """Where `x` lies within a static amax (tensor-level, or one per unit: `Quantizer.reference_in_range`)."""
-    return x.abs() <= amax if q.uses_tensor_amax() else q.reference_in_range(x, amax)
+    """Where `x` lies within a static amax (tensor-level, or one per unit: `quantizers.base.in_range`)."""
+    return x.abs() <= amax if q.uses_tensor_amax() else in_range(q, x, amax)
 
 
 class _FakeQuantize(torch.autograd.Function):

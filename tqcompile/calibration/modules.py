@@ -377,8 +377,12 @@ def read_by_parent(model: nn.Module) -> dict[int, str]:
 
 
 def module_device(module: nn.Module) -> torch.device:
-    """Where a module's tensors live (a LayerNorm without affine parameters has none: the CPU)."""
+    """Where a module's tensors live: its own, else its submodules' (a Hugging Face attention holds
+    only its projections; measured on CUDA: its KV statistics were made on the CPU); a module
+    with none (a LayerNorm without affine parameters): the CPU."""
     for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        return t.device
+    for t in (*module.parameters(), *module.buffers()):
         return t.device
     return torch.device("cpu")
 
@@ -420,6 +424,7 @@ def convert_module(module: nn.Module, name: str, quantizers: dict, ste: str) -> 
         layout = kv_layout(module, base_class(module))
         if layout.cache_arg is not None:
             module.tq_cache_arg, module.tq_eager_attention = layout.cache_arg, layout.eager
+            module.tq_model_config = module.__dict__["config"]  # what `_HFAttentionKV.config` reads
             if module.query_quantizer.enabled:
                 register_query_tap()
         swap_class(module)

@@ -47,7 +47,9 @@ def activation_amax(name: str, t: TensorQuantizer, obs: AmaxObserver, algorithm:
     if q.layout()[0] is not Granularity.TENSORWISE:
         q = dataclasses.replace(q, granularity=Granularity.TENSORWISE)
     tops = obs.hist_max.reshape(-1)
-    found = [_histogram_amax(obs.hist[i], float(tops[i]), q, algorithm, percentile) for i in range(tops.numel())]
+    # On the CPU: a few thousand bins, searched with a host read per candidate (on a GPU, a sync each).
+    hist = obs.hist.cpu()
+    found = [_histogram_amax(hist[i], float(tops[i]), q, algorithm, percentile) for i in range(tops.numel())]
     return torch.stack(found).reshape(obs.stat_max.shape).to(obs.stat_max.device)
 
 

@@ -14,7 +14,7 @@ import torch
 from tqcompile.api import SUPPORTED_DTYPES
 from tqcompile.nn.base import QuantizedModule
 from tqcompile.ops.errors import static_shape
-from tqcompile.recipes import Recipe
+from tqcompile.recipes import Recipe, unsupported_reason
 
 __all__ = ["linear_input_error"]
 
@@ -47,11 +47,11 @@ def _error(
     if x_shape[-1] != in_features:
         return ValueError, f"{what}: input last dim {x_shape[-1]} does not match weight in_features {in_features}"
     tokens = math.prod(x_shape[:-1])
-    reason = recipe.unsupported_reason(in_features, out_features, tokens, backward=backward)
+    reason = unsupported_reason(recipe, in_features, out_features, tokens, backward=backward)
     if not reason:
         return None
     message = f"{what}: recipe {recipe.name!r} cannot serve this call: {reason}"
-    if layer is not None and recipe.unsupported_reason(in_features, out_features, backward=backward) is None:
+    if layer is not None and unsupported_reason(recipe, in_features, out_features, backward=backward) is None:
         # The token count is what the blocks cannot split. Padding the tokens is no fix for a layer
         # that sees one token per sample (a pooler, a classification head); leaving it out is.
         message += (

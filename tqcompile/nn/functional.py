@@ -44,10 +44,12 @@ _LOCAL_ACTIVATION, _LOCAL_WEIGHT = ActivationSource(), WeightSource()
 class LinearFwdArgs:
     """One call of the quantized linear: its recipe, where its operands live, and what it keeps."""
 
+    # No object defaults: torch 2.11's Dynamo cannot build a default that is a dataclass instance
+    # when it traces the constructor ("SourcelessBuilder ... ActivationSource"); callers pass all three.
     recipe: Recipe
-    input: ActivationSource = _LOCAL_ACTIVATION
-    weight: WeightSource = _LOCAL_WEIGHT
-    output: ActivationSource = _LOCAL_ACTIVATION
+    input: ActivationSource
+    weight: WeightSource
+    output: ActivationSource
     backward: bool = True  # keep what backward needs: grad mode is on and x or W requires grad
     update_histories: bool = True  # delayed scaling: roll the histories in backward (False: eval mode)
     what: str = "linear"  # the layer, for error messages

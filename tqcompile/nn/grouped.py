@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from tqcompile import ops
 from tqcompile.api import SUPPORTED_DTYPES
@@ -214,8 +214,11 @@ def wrong_counts_length(counts: torch.Tensor, num_experts: int) -> bool:
     lambda reads a variable, and cannot name the length it does not know."""
     if counts.dim() != 1 or guard_or_false(counts.shape[0] != num_experts):
         return True
+    same = counts.shape[0] == num_experts
+    if statically_known_true(same):  # a known length, found equal (torch 2.11's Dynamo cannot pass a constant and a lambda to the check)
+        return False
     torch._check_value(
-        counts.shape[0] == num_experts,
+        same,
         lambda: (
             "tq experts: a per-expert token count tensor (m_splits, num_tokens_per_expert) has a length other than "
             "the number of experts; allowed: one count per expert"

@@ -26,6 +26,8 @@ __all__ = ["raise_error", "static_shape", "shape_str"]
 
 # The exception types the op can raise, by name (a custom op takes strings, not classes).
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
+# Their names by class: torch 2.11's Dynamo cannot pass `ValueError.__name__` to an op (measured).
+_NAMES: dict[type[Exception], str] = {cls: name for name, cls in _ERRORS.items()}
 
 
 @torch.library.custom_op("tqcompile::raise_error", mutates_args=())
@@ -68,8 +70,9 @@ def raise_error(
     `shape` None: no placeholder can stand in for the result; raise even while tracing (the user
     then sees Dynamo's "Observed exception" with our message in its debug context).
     """
-    if error.__name__ not in _ERRORS:
-        raise TypeError(f"raise_error: error must be one of {sorted(_ERRORS)}, got {error.__name__}")
+    name = _NAMES.get(error)
+    if name is None:
+        raise TypeError(f"raise_error: error must be one of {sorted(_ERRORS)}, got {error!r}")
     if shape is None or not torch.compiler.is_compiling():
         raise error(message)
-    return _raise_error_op(like, error.__name__, message, list(shape), like.dtype if dtype is None else dtype)
+    return _raise_error_op(like, name, message, list(shape), like.dtype if dtype is None else dtype)

@@ -64,6 +64,10 @@ class Quantizer(OpaqueBase):
     """Base of all quantizers. Subclasses are frozen dataclasses of scalars and Enums."""
 
     # --- what the family is (overridden) -------------------------------------------------
+    def family_name(self) -> str:
+        """The quantizer's class name, for messages (a member compiled code can read on every torch)."""
+        return type(self).__name__
+
     def element_format(self) -> Format:
         raise NotImplementedError
 
@@ -170,50 +174,14 @@ class Quantizer(OpaqueBase):
         """Why `shape` cannot be quantized (naming the padding needed), or None if it can.
 
         `check_shape` raises this message; code traced by torch.compile asks for it instead, since
-        Dynamo cannot hand a raised exception to the user (see docs/training.md)."""
-        gran, axis, block = self.layout()
-        shape = tuple(shape)
-        name = type(self).__name__
-        if gran is Granularity.ROWWISE:
-            if len(shape) == 0:
-                return f"{name} ROWWISE needs a tensor with at least 1 dim, got a 0-dim tensor"
-            if not -len(shape) <= axis < len(shape):
-                return f"{name}: axis={axis} is out of range for a {len(shape)}-dim tensor of shape {shape}"
-        if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D):
-            need = 1 if gran is Granularity.BLOCKWISE_1D else 2
-            if len(shape) < need:
-                return f"{name} {gran.name} (block {block}) needs at least {need} dims, got shape {shape}"
-            for d in range(len(shape) - need, len(shape)):
-                if shape[d] % block:
-                    padded = math.ceil(shape[d] / block) * block
-                    return (
-                        f"{name}: dim {d} of shape {shape} is {shape[d]}, not a multiple of the block size {block}; "
-                        f"pad it with {padded - shape[d]} zeros to {padded} (e.g. torch.nn.functional.pad)"
-                    )
-        group = self.element_format().pack_elements
-        if group > 1 and (len(shape) == 0 or shape[-1] % group):
-            return f"{name}: {self.element_format().codec.packing_rule()}, got shape {shape}"
-        if self.hadamard_transformed() and shape[-1] % 16:
-            return f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}"
-        return None
+        Dynamo cannot hand a raised exception to the user (see docs/training.md). Traced code
+        calls the function `shape_error` (torch 2.11: see `in_range`)."""
+        return shape_error(self, shape)
 
     def padded_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...] | None:
         """The smallest shape at least `shape` (zero padding at the end of dims) that passes
         `check_shape`, or None where no padding helps (too few dims, an axis out of range)."""
-        gran, _, block = self.layout()
-        shape = tuple(shape)
-        if not shape or (gran is Granularity.BLOCKWISE_2D and len(shape) < 2):
-            return None
-        last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
-        last = math.lcm(last, self.element_format().pack_elements)
-        if self.hadamard_transformed():
-            last = math.lcm(last, 16)
-        units = [1] * len(shape)
-        units[-1] = last
-        if gran is Granularity.BLOCKWISE_2D:
-            units[-2] = block
-        padded = tuple(-(-d // u) * u for d, u in zip(shape, units))
-        return padded if self.shape_error(padded) is None else None
+        return padded_shape(self, shape)
 
     def scale_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
         """Shape of the scale tensor for a tensor of `shape` (`check_shape` must pass)."""
@@ -258,8 +226,8 @@ class Quantizer(OpaqueBase):
 
     def reference_in_range(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """Where `x` lies within the range a static per-unit `amax` gives (the clipped STE passes
-        the gradient there): ``|x| <= amax``."""
-        return x.abs() <= geometry.expand(amax, x.shape, self.layout())
+        the gradient there): `in_range`."""
+        return in_range(self, x, amax)
 
     def reference_transform(self, xf: torch.Tensor) -> torch.Tensor:
         """The contiguous fp32 `xf` as the element format sees it (a transform along the last dim,
@@ -337,3 +305,63 @@ class Quantizer(OpaqueBase):
 
 Quantizer.__module__ = PUBLIC_MODULE
 register_value_type(Quantizer)
+
+
+def in_range(q: Quantizer, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Where `x` lies within the range the static per-unit `amax` of `q` gives: ``|x| <= amax``,
+    or ``-lo <= x <= hi`` for a grid with zero points (`amax` holds (lo, hi) on its last dim).
+
+    A function of the quantizer's answers, not a method: compiled code calls it with tensors, and
+    torch 2.11's Dynamo calls a value opaque object's methods with constant arguments only."""
+    layout = q.layout()
+    if q.has_zero_point():
+        lo, hi = geometry.expand(amax[..., 0], x.shape, layout), geometry.expand(amax[..., 1], x.shape, layout)
+        return (x >= -lo) & (x <= hi)
+    return x.abs() <= geometry.expand(amax, x.shape, layout)
+
+
+def shape_error(q: Quantizer, shape: tuple[int, ...] | torch.Size) -> str | None:
+    """`Quantizer.shape_error`, as a function (compiled code calls it with symbolic sizes)."""
+    gran, axis, block = q.layout()
+    shape = tuple(shape)
+    name = q.family_name()
+    if gran is Granularity.ROWWISE:
+        if len(shape) == 0:
+            return f"{name} ROWWISE needs a tensor with at least 1 dim, got a 0-dim tensor"
+        if not -len(shape) <= axis < len(shape):
+            return f"{name}: axis={axis} is out of range for a {len(shape)}-dim tensor of shape {shape}"
+    if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D):
+        need = 1 if gran is Granularity.BLOCKWISE_1D else 2
+        if len(shape) < need:
+            return f"{name} {gran.name} (block {block}) needs at least {need} dims, got shape {shape}"
+        for d in range(len(shape) - need, len(shape)):
+            if shape[d] % block:
+                padded = math.ceil(shape[d] / block) * block
+                return (
+                    f"{name}: dim {d} of shape {shape} is {shape[d]}, not a multiple of the block size {block}; "
+                    f"pad it with {padded - shape[d]} zeros to {padded} (e.g. torch.nn.functional.pad)"
+                )
+    group = q.element_format().pack_elements
+    if group > 1 and (len(shape) == 0 or shape[-1] % group):
+        return f"{name}: {q.element_format().codec.packing_rule()}, got shape {shape}"
+    if q.hadamard_transformed() and shape[-1] % 16:
+        return f"{name}: the Hadamard transform works on 16-element blocks of the last dim; got shape {shape}"
+    return None
+
+
+def padded_shape(q: Quantizer, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...] | None:
+    """`Quantizer.padded_shape`, as a function."""
+    gran, _, block = q.layout()
+    shape = tuple(shape)
+    if not shape or (gran is Granularity.BLOCKWISE_2D and len(shape) < 2):
+        return None
+    last = block if gran in (Granularity.BLOCKWISE_1D, Granularity.BLOCKWISE_2D) else 1
+    last = math.lcm(last, q.element_format().pack_elements)
+    if q.hadamard_transformed():
+        last = math.lcm(last, 16)
+    units = [1] * len(shape)
+    units[-1] = last
+    if gran is Granularity.BLOCKWISE_2D:
+        units[-2] = block
+    padded = tuple(-(-d // u) * u for d, u in zip(shape, units))
+    return padded if shape_error(q, padded) is None else None

@@ -125,12 +125,6 @@ class IntQuantizer(Quantizer):
         below, above = (-finite).clamp(min=0), finite.clamp(min=0)
         return torch.stack([geometry.unit_amax(below, self.layout()), geometry.unit_amax(above, self.layout())], -1)
 
-    def reference_in_range(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-        if not self.has_zero_point():
-            return Quantizer.reference_in_range(self, x, amax)
-        lo, hi = (geometry.expand(amax[..., i], x.shape, self.layout()) for i in (0, 1))
-        return (x >= -lo) & (x <= hi)
-
     def element_format(self) -> Format:
         return self.format
 
