@@ -20,6 +20,7 @@ Needs a CUDA GPU. Two tables:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -155,7 +156,16 @@ def _time_us(fn) -> float:
     return 1e3 * do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+# Rows that run a preset's packed weight through the dequantize path (`tq_kernel` set by hand),
+# to compare tinygemm with F.linear on the dequantized weight.
+DEQUANTIZE_PATH = {"int4_weight_only g128, dequantize path": "int4_weight_only g128"}
+
+
 def _layer(n: int, k: int, preset: str | None):
+    if preset in DEQUANTIZE_PATH:
+        layer, row, err = _layer(n, k, DEQUANTIZE_PATH[preset])
+        layer[0].tq_kernel = "dequantize"
+        return layer, dataclasses.replace(row, kernel="dequantize (forced)"), err
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(k, n, bias=False)).to("cuda", torch.bfloat16)
     if preset is None:
@@ -176,12 +186,29 @@ def _bytes(layer) -> int:
     return _bytes(layer[0].weight)
 
 
-def layers(ms: list[int], compiled: bool) -> None:
+PROFILED: list[str] = []
+
+
+def _profile(name: str, layer, x) -> None:
+    """The three CUDA kernels that took the most time in two eager calls of `layer` on `x`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer(x)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(x)
+        layer(x)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:3]
+    top = "; ".join(f"{e.key[:70]} {e.self_device_time_total / 2:.0f} us" for e in events)
+    PROFILED.append(f"| {name} | {top} |")
+
+
+def layers(ms: list[int], compiled: bool, profile: bool = False) -> None:
     print(f"\n| shape (N, K) | variant | kernel | µs at M = {', '.join(map(str, ms))} | × bf16 at M = {ms[0]} / {ms[-1]} | weight MB | GB/s at M = {ms[0]} | rel. error vs calibrated |")
     print("|---|---|---|---|---|---|---|---|")
     for si, (n, k) in enumerate(SHAPES):
         base = None
-        for preset in (None, *PRESETS):
+        for preset in (None, *PRESETS, *DEQUANTIZE_PATH):
             name = preset or "bf16"
             try:
                 layer, row, err = _layer(n, k, preset)
@@ -199,6 +226,9 @@ def layers(ms: list[int], compiled: bool) -> None:
                 continue
             if base is None:
                 base = us
+            if profile and si == 0:
+                with torch.no_grad():
+                    _profile(name, layer, xs[ms[-1]])
             wb = _bytes(layer)
             kernel = row.kernel if row else "F.linear"
             print(
@@ -212,6 +242,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096], help="tokens per call")
     ap.add_argument("--compiled", action="store_true", help="also time torch.compile(fullgraph=True) of each layer (first shape)")
+    ap.add_argument("--profile", action="store_true", help="list the top CUDA kernels of each variant's eager call at the largest M")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda_kernels.py needs a CUDA GPU")
@@ -219,7 +250,11 @@ def main() -> None:
     print("| entry point | result |\n|---|---|")
     for name, result in probes():
         print(f"| {name} | {result} |")
-    layers(args.m, args.compiled)
+    layers(args.m, args.compiled, args.profile)
+    if PROFILED:
+        print(f"\nThe CUDA kernels of one eager call at M = {args.m[-1]}, first shape (torch.profiler: the top three by time)\n")
+        print("| variant | kernels |\n|---|---|")
+        print("\n".join(PROFILED))
 
 
 if __name__ == "__main__":

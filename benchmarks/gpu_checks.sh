@@ -7,6 +7,7 @@
 #   demo.txt     `tqcompile demo --device cuda` (the README's main job on a GPU), demo.png/json beside
 
 # Each step has its own time limit, so one that fails or hangs leaves the others' reports.
+# DEMO=0 skips the demo; KERNELS_S, TESTS_S, DEMO_S set the limits (s), WORKERS the test processes.
 #
 #   bash benchmarks/gpu_checks.sh
 set -u
@@ -24,15 +25,16 @@ log() { echo "$1 rc=$2 at $(($(date +%s) - T0)) s" >>"$OUT/env.txt"; }
 } >"$OUT/env.txt" 2>&1
 
 # 1. Alone on the GPU (timings): probes and one layer per preset at 8B widths.
-timeout "${KERNELS_S:-150}" python benchmarks/bench_cuda_kernels.py --compiled >"$OUT/kernels.md" 2>&1
+timeout "${KERNELS_S:-150}" python benchmarks/bench_cuda_kernels.py --compiled --profile >"$OUT/kernels.md" 2>&1
 log kernels $?
 
 # 2. The tests and the demo side by side (compiles are CPU-bound; the GPU work is small).
-timeout "${DEMO_S:-280}" python -c "import sys; from tqcompile.cli import main; sys.exit(main(sys.argv[1:]))" \
-    demo --device cuda --steps 150 --plot "$OUT/demo.png" --results "$OUT/demo.json" >"$OUT/demo.txt" 2>&1 &
-DEMO=$!
-timeout "${TESTS_S:-280}" python -m pytest -q -p no:cacheprovider -n 4 -rfE tests/test_cuda.py tests/test_triton_kernels.py -k cuda >"$OUT/tests.txt" 2>&1
+if [ "${DEMO:-1}" = 1 ]; then
+    timeout "${DEMO_S:-280}" python -c "import sys; from tqcompile.cli import main; sys.exit(main(sys.argv[1:]))" \
+        demo --device cuda --steps 150 --plot "$OUT/demo.png" --results "$OUT/demo.json" >"$OUT/demo.txt" 2>&1 &
+fi
+timeout "${TESTS_S:-280}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-4}" -rfE tests/test_cuda.py tests/test_triton_kernels.py -k cuda >"$OUT/tests.txt" 2>&1
 log tests $?
-wait $DEMO
+wait
 log demo $?
 

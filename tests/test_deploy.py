@@ -76,6 +76,27 @@ def test_int4_layout_inverts_the_kernel_packing(shape, fmt):
     assert torch.equal(int4_cpu.unpack(packed, q), payload)
 
 
+@pytest.mark.parametrize("grid", [tq.IntGrid.SYMMETRIC, tq.IntGrid.ASYMMETRIC])
+@pytest.mark.parametrize("shape, block", [((64, 128), 32), ((96, 256), 128), ((128, 96), 32)])
+def test_cuda_int4_layout_round_trips_and_dequantizes_on_any_device(shape, block, grid):
+    """CUDA's INT4 words, written by `int4_cuda.pack_words` (torch ops; tests/test_cuda.py checks
+    them against `torch._convert_weight_to_int4pack` on a GPU): `unpack` gives the payload back,
+    and `Int4PackedCUDATensor.dequantize` (read off the words' bytes) equals the payload dequantized
+    with the kernel's scales and zeros."""
+    from tqcompile.deploy import int4_cuda
+    from tqcompile.tensor import quantize_usages
+
+    n, k = shape
+    q = tq.IntQuantizer(tq.Format.INT4, Granularity.BLOCKWISE_1D, block_size=block, grid=grid)
+    torch.manual_seed(n)
+    qt = quantize_usages(torch.randn(n, k).to(torch.bfloat16), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=None)
+    words = int4_cuda.pack_words(int4_cuda._pairs(qt._data, q), int4_cuda.inner_k_tiles(k))
+    assert words.shape == (n // 8, k // (16 * int4_cuda.inner_k_tiles(k)), 32, int4_cuda.inner_k_tiles(k) // 2)
+    assert torch.equal(int4_cuda.unpack(words, q), qt._data)
+    t = tq.deploy.Int4PackedCUDATensor(qt.shape, q, qt.orig_dtype, None, _data=words, _scale_inv=int4_cpu.scales_and_zeros(qt, block))
+    assert torch.equal(t.dequantize(torch.float32), int4_cpu.Int4PackedCPUTensor.dequantize(t, torch.float32))
+
+
 # --- the rule -------------------------------------------------------------------------------
 INT8_ROWS = tq.IntQuantizer(tq.Format.INT8, Granularity.ROWWISE)
 INT8_TENSOR = tq.IntQuantizer(tq.Format.INT8)
@@ -102,7 +123,7 @@ FP8_ROWS = tq.Float8Quantizer(tq.Format.E4M3, Granularity.ROWWISE)
         (FP8_ROWS, FP8_ROWS, (128, 256), "cuda", "scaled_mm"),
         (FP8, FP8_ROWS, (128, 256), "cuda", "dequantize"),  # mixed granularities
         (INT8_ROWS, INT8_TENSOR, (128, 256), "cuda", "int_mm"),
-        (INT8_ROWS, None, (128, 256), "cuda", "int8pack_mm"),
+        (INT8_ROWS, None, (128, 256), "cuda", "dequantize"),  # torch's CUDA INT8 GEMV is slower than dequantizing
         (INT8_TENSOR, None, (128, 256), "cuda", "dequantize"),
         (INT4_G, None, (96, 256), "cuda", "int4pack_mm"),  # CUDA's kernel: N % 8
         (INT4_G, None, (100, 256), "cuda", "dequantize"),

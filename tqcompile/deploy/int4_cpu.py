@@ -80,6 +80,10 @@ class Int4PackedCPUTensor(QuantizedTensor):
     def _pack(payload: torch.Tensor, q: Quantizer) -> torch.Tensor:
         return pack(payload, q)
 
+    def _payload(self) -> torch.Tensor:
+        """tq's payload of the weight (its codes in tq's own layout)."""
+        return unpack(self._data, self.quantizer)
+
     @property
     def block_size(self) -> int:
         """The kernel's block size (the quantizer's 1-D block; for one scale per row, what
@@ -98,7 +102,7 @@ class Int4PackedCPUTensor(QuantizedTensor):
         scale, zero = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()
         if q.layout()[0] is not Granularity.BLOCKWISE_1D:
             scale, zero = scale[:, :1], zero[:, :1]  # one scale per row, repeated over the kernel's blocks
-        payload = unpack(self._data, q)
+        payload = self._payload()
         if not q.has_zero_point():
             return ops.dequantize(payload, scale, None, q, dtype or self.orig_dtype)
         codec, shape = q.element_format().codec, tuple(self.shape)

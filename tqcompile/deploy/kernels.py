@@ -10,10 +10,10 @@ One rule, `linear_kernel`, chooses per layer from the weight's quantizer, the in
 | ``int4pack_mm`` | CPU    | INT4 (INT3, INT2 held in 4     | none (weight-only)             | ``torch._weight_int4pack_mm_for_cpu``  |
 |                 |        | bits) in blocks of 32-256 of K,|                                |                                        |
 |                 |        | or per row (K % 32 == 0)       |                                |                                        |
-| ``int_mm``      | CUDA   | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (M > 16, K, N % 8)   |
-| ``int8pack_mm`` | CUDA   | INT8, one scale per row        | none (weight-only)             | ``torch._weight_int8pack_mm`` (M <= 16)|
+| ``int_mm``      | CUDA   | INT8, one scale per row        | INT8 per tensor or per token   | ``torch._int_mm`` (K, N % 8; M <= 16   |
+|                 |        |                                |                                | padded to 32 rows)                     |
 | ``int4pack_mm`` | CUDA   | INT4 (INT3, INT2) as on CPU,   | none (weight-only), bfloat16   | ``torch._weight_int4pack_mm``          |
-|                 |        | N % 8 == 0, K % 32 == 0        |                                | (tinygemm)                             |
+|                 |        | N % 8 == 0, K % 32 == 0        |                                | (tinygemm, M <= 256)                   |
 | ``scaled_mm``   | CUDA   | FP8, per tensor or per row     | FP8, per tensor or per row     | ``tqcompile::gemm_tn`` (`_scaled_mm`)  |
 | ``dequantize``  | any    | anything else                  | anything                       | dequantized weight, ``F.linear``       |
 
@@ -42,6 +42,12 @@ from tqcompile.quantizers import Granularity, Quantizer
 __all__ = ["KERNELS", "linear_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS", "int4_kernel_block"]
 
 KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "dequantize")
+# The most tokens a call of CUDA's INT4 kernel takes; more run the dequantized weight through
+# F.linear (tensor cores). Measured on an H200 (torch 2.11, a 14336 x 4096 bf16 layer): tinygemm
+# 22-24 us at M = 1 (1.7-1.9x bf16's 40 us), 72 us at M = 16, 1036 us at M = 256 and 16.4 ms at
+# M = 4096 (bf16: 50 us, 600 us). (CUDA's `_weight_int8pack_mm` is not used: a one-thread-per-
+# output loop, 287 us at M = 1 and 2144 us at M = 16 on the same layer.)
+_CUDA_INT4_MAX_M = 256
 # Group sizes the CPU INT4 kernel takes (torch 2.11-2.14: 32, 64, 128, 256).
 INT4_BLOCKS = (32, 64, 128, 256)
 
@@ -117,9 +123,7 @@ def linear_kernel(
             return _int4_kernel(weight_q, n, k, kind, dtype)
     elif kind == "cuda":
         if _int8_rows(weight_q) and _int8_activation(input_q) and k % 8 == 0 and n % 8 == 0:
-            return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM (M <= 16 dequantizes)"
-        if _int8_rows(weight_q) and input_q is None:
-            return "int8pack_mm", "INT8 weight-only per channel: CUDA's INT8 GEMV for M <= 16 tokens (more dequantize: tensor cores)"
+            return "int_mm", "INT8 weights per channel and INT8 activations: integer GEMM"
         if _int4_weight_only(weight_q, input_q):
             return _int4_kernel(weight_q, n, k, kind, dtype)
         if input_q is not None and weight_q.scaled_mm_operand() and input_q.scaled_mm_operand():
@@ -173,14 +177,15 @@ def packed_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if kernel in ("int8pack_mm", "int4pack_mm"):
-        if kernel == "int8pack_mm" and x.device.type == "cuda" and x2.shape[0] > 16:  # a GEMV: tensor cores win above
+        if kernel == "int4pack_mm" and x.device.type == "cuda" and x2.shape[0] > _CUDA_INT4_MAX_M:  # tensor cores win above
             return F.linear(x, weight.dequantize(), bias)
         y = weight_only_mm(x2, weight, kernel_scale, kernel)
     elif kernel == "int_mm":
-        if x.device.type == "cuda" and x2.shape[0] <= 16:  # CUDA's _int_mm wants M > 16
-            return F.linear(input_quantizer(x), weight.dequantize(), bias)
         xq = _quantized_input(x2, input_quantizer)
-        acc = torch._int_mm(xq._data, weight._data.t())
+        codes, m = xq._data, x2.shape[0]
+        if x.device.type == "cuda" and m <= 16:  # CUDA's _int_mm wants M > 16: zero rows, their sums dropped
+            codes = F.pad(codes, (0, 0, 0, 32 - m))
+        acc = torch._int_mm(codes, weight._data.t())[:m]
         y = (acc.float() * xq._scale_inv.reshape(-1, 1) * weight._scale_inv.reshape(1, n)).to(x.dtype)
     elif kernel == "scaled_mm":
         xq = _quantized_input(x2, input_quantizer)

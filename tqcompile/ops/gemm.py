@@ -51,13 +51,28 @@ def _scaled_mm_applies(
         return False
     if a_data.device.type != "cuda":
         return False  # on CPU `reference.fp8_gemm_cpu` computes these pairs (see its docstring)
-    # CUDA's FP8 GEMMs: dims multiples of 16, not both E5M2; rowwise wants E4M3 and bf16 out.
-    dims_ok = all(d % 16 == 0 for d in (*a_data.shape, b_data.shape[0]))
+    # CUDA's FP8 GEMMs: K and N multiples of 16 (M is padded: `_scaled_mm_padded`), not both E5M2;
+    # rowwise wants E4M3 and bf16 out.
+    dims_ok = a_data.shape[1] % 16 == 0 and b_data.shape[0] % 16 == 0
     a_fmt, b_fmt = a_q.element_format().name, b_q.element_format().name
     both_e5m2 = a_fmt == b_fmt == "E5M2"
     if rowwise:
         return dims_ok and a_fmt == b_fmt == "E4M3" and out_dtype is torch.bfloat16
     return dims_ok and not both_e5m2
+
+
+def _scaled_mm_padded(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype) -> torch.Tensor:
+    """`torch._scaled_mm` of ``a @ b.T``, `a`'s rows padded with zeros (and scales of 1) to a
+    multiple of 16 and the padding's rows dropped: a decode step's few tokens run the FP8 GEMM too
+    (each output row depends on its own row of `a` only)."""
+    m = a_data.shape[0]
+    pad = -m % 16
+    if pad:
+        a_data = torch.nn.functional.pad(a_data.view(torch.uint8), (0, 0, 0, pad)).view(a_data.dtype)  # byte 0: +0.0
+        if a_scale_inv.dim() == 2:  # one scale a row
+            a_scale_inv = torch.nn.functional.pad(a_scale_inv, (0, 0, 0, pad), value=1.0)
+    out = torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
+    return out[:m] if pad else out
 
 
 @torch.library.custom_op("tqcompile::gemm_tn", mutates_args=())
@@ -80,7 +95,7 @@ def gemm_tn(
         if reference.fp8_pair_on_cpu(a_data, a_quantizer, b_data, b_quantizer):
             return reference.fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
         if _scaled_mm_applies(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype):
-            return torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale_inv, scale_b=b_scale_inv.t(), out_dtype=out_dtype)
+            return _scaled_mm_padded(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype)
         a = reference.dequantize(a_data, a_scale_inv, a_amax, a_quantizer, torch.float32)
         b = reference.dequantize(b_data, b_scale_inv, b_amax, b_quantizer, torch.float32)
         return (a @ b.t()).to(out_dtype)
