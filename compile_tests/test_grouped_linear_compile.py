@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_grouped_linear import E, K, N, _experts, _step
 
+from tqcompile.nn.grouped import _CHECK_MESSAGE_TRACES
 from tqcompile.testing.compile import CompileCounter, assert_bitwise_equal
 
 
@@ -36,7 +37,10 @@ def test_bincount_counts_of_a_wrong_length_error_in_a_compiled_call():
     compiled = torch.compile(lambda x, ids: experts(x, torch.bincount(ids, minlength=E)), backend="aot_eager", fullgraph=True)
     x = torch.randn(8, K)
     assert compiled(x, torch.tensor([0, 0, 1, 1, 3, 3, 3, 3])).shape == (8, N)
-    with pytest.raises(RuntimeError, match=r"count tensor \(m_splits, .*has a length other than the number of experts"):
+    # torch 2.11 cannot trace the check's message (`tqcompile.nn.grouped._CHECK_MESSAGE_TRACES`):
+    # the call still fails, with torch's own words.
+    message = r"count tensor \(m_splits, .*has a length other than the number of experts" if _CHECK_MESSAGE_TRACES else None
+    with pytest.raises(RuntimeError, match=message):
         compiled(x, torch.tensor([0, 0, 1, 1, 3, 3, 3, E + 1]))
     torch.compiler.reset()
 

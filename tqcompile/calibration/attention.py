@@ -175,7 +175,7 @@ class _QueryTapConfig:
 
 def _query_tap_attention(module: nn.Module, query: torch.Tensor, *args, **kwargs):
     """`QUERY_TAP`: the query fake-quantized, then the attention the model's config names."""
-    implementation = module.__dict__["config"]._attn_implementation
+    implementation = module.tq_model_config._attn_implementation  # the copy: torch 2.11 read __dict__["config"] as the property
     if implementation == QUERY_TAP:  # a model whose config itself names the tap: no implementation to call
         raise ValueError(f"{type(module).__name__}: the model's attn_implementation is {QUERY_TAP!r}; set it to its own (e.g. 'sdpa')")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -48,7 +48,7 @@ def _error(
         return ValueError, f"{what}: input last dim {x_shape[-1]} does not match weight in_features {in_features}"
     tokens = math.prod(x_shape[:-1])
     reason = unsupported_reason(recipe, in_features, out_features, tokens, backward=backward)
-    if not reason:
+    if reason is None:  # not `not reason`: torch 2.11 cannot branch on a string formatted from symbolic sizes
         return None
     message = f"{what}: recipe {recipe.name!r} cannot serve this call: {reason}"
     if layer is not None and unsupported_reason(recipe, in_features, out_features, backward=backward) is None:

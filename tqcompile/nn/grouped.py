@@ -204,6 +204,11 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
+# Whether Dynamo traces a message lambda given to `torch._check_value` (torch 2.13 does; 2.11
+# failed with "Failed to convert args/kwargs to proxy ... NestedUserFunctionVariable").
+_CHECK_MESSAGE_TRACES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def wrong_counts_length(counts: torch.Tensor, num_experts: int) -> bool:
     """Whether the per-expert token count tensor `counts` surely is not of shape (num_experts,).
 
@@ -217,13 +222,16 @@ def wrong_counts_length(counts: torch.Tensor, num_experts: int) -> bool:
     same = counts.shape[0] == num_experts
     if statically_known_true(same):  # a known length, found equal (torch 2.11's Dynamo cannot pass a constant and a lambda to the check)
         return False
-    torch._check_value(
-        same,
-        lambda: (
-            "tq experts: a per-expert token count tensor (m_splits, num_tokens_per_expert) has a length other than "
-            "the number of experts; allowed: one count per expert"
-        ),
-    )
+    if _CHECK_MESSAGE_TRACES:
+        torch._check_value(
+            same,
+            lambda: (
+                "tq experts: a per-expert token count tensor (m_splits, num_tokens_per_expert) has a length other than "
+                "the number of experts; allowed: one count per expert"
+            ),
+        )
+    else:  # torch 2.11's Dynamo cannot pass the message's lambda: the check, with torch's own message
+        torch._check_value(same)
     return False
 
 
