@@ -343,3 +343,22 @@ def test_gemm_of_fp32_max_operand_is_finite(granularity):
     a = tq.quantize(x, q).usage(False)
     expected = torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1].t(), out_dtype=torch.float32)
     assert_bitwise_equal(gemm_tn(*a, q, *b, q, torch.float32), expected)
+
+
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE])
+@pytest.mark.parametrize("m", [1, 5, 16, 17])
+def test_scaled_mm_with_rows_padded_to_16_equals_the_unpadded_product(m, granularity):
+    """CUDA's `_scaled_mm` wants M % 16 == 0: `_scaled_mm_padded` adds zero rows (scale 1) and
+    drops their outputs. Checked with CPU `_scaled_mm`, which takes any M: every row equals the
+    unpadded call's, bit for bit (a row's output depends on its own row only)."""
+    from tqcompile.ops.gemm import _scaled_mm_padded
+
+    if granularity is G.ROWWISE and not _CPU_SCALED_MM_ROWWISE:
+        pytest.skip("torch < 2.13: CPU _scaled_mm takes per-tensor scales only")
+    q = tq.Float8Quantizer(granularity=granularity)
+    torch.manual_seed(m)
+    a, b = tq.quantize(torch.randn(m, 64), q).usage(False), tq.quantize(torch.randn(32, 64), q).usage(False)
+    got = _scaled_mm_padded(a[0], a[1], b[0], b[1], torch.bfloat16)
+    want = torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1].t(), out_dtype=torch.bfloat16)
+    assert got.shape == (m, 32)
+    assert_bitwise_equal(got, want)
