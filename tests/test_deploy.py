@@ -95,6 +95,11 @@ def test_cuda_int4_layout_round_trips_and_dequantizes_on_any_device(shape, block
     assert torch.equal(int4_cuda.unpack(words, q), qt._data)
     t = tq.deploy.Int4PackedCUDATensor(qt.shape, q, qt.orig_dtype, None, _data=words, _scale_inv=int4_cpu.scales_and_zeros(qt, block))
     assert torch.equal(t.dequantize(torch.float32), int4_cpu.Int4PackedCPUTensor.dequantize(t, torch.float32))
+    buf = io.BytesIO()  # a state_dict of a deployed CUDA model loads with weights_only=True
+    torch.save({"w": t}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)["w"]
+    assert type(back) is tq.deploy.Int4PackedCUDATensor and torch.equal(back._data, words) and torch.equal(back._scale_inv, t._scale_inv)
 
 
 # --- the rule -------------------------------------------------------------------------------
