@@ -19,11 +19,11 @@ is no public registration for a custom op's inductor-only decomposition. Checked
 2.13. The registration runs when a `tqcompile` op is first traced (from its fake kernel), because
 importing inductor costs ~1.7 s that eager and CPU-only users should not pay; by the time
 anything is traced, Dynamo has imported it already (measured: 0 s extra after `torch._dynamo`).
-On CUDA the calls a Triton kernel serves (FP8, MX, NVFP4 quantize) stay opaque: the Triton kernels
-are faster than what inductor generates from the reference. INT quantize and dequantize, and every amax
-of the fusable layouts, are decomposed there too: the op would otherwise run the
-reference eagerly, op by op (measured on an H200: a W8A8 layer's activation quantization and
-output scaling took 0.6 ms beside a 0.55 ms INT8 GEMM at M = 4096).
+On CUDA, FP8, MX and NVFP4 quantize stay opaque: their Triton kernels are faster than what inductor
+generates from the reference. INT quantize and dequantize (no Triton kernel), and every amax of the
+fusable layouts, are decomposed there too: the op would otherwise run the reference eagerly, op by
+op (measured on an H200: a W8A8 layer's activation quantization and output scaling took 0.6 ms
+beside a 0.55 ms INT8 GEMM at M = 4096).
 """
 
 from __future__ import annotations
@@ -47,18 +47,6 @@ def _fusable(q) -> bool:
     return q.layout()[0] in (Granularity.TENSORWISE, Granularity.ROWWISE) and q.scale_dtype() == torch.float32
 
 
-def _triton_serves(x, quantizer, amax, seed) -> bool:
-    """Whether the op's CUDA kernel runs a Triton kernel for this call (else it runs the reference
-    kernel eagerly, op by op: inductor's code for the same reference is then the faster one)."""
-    if x.device.type != "cuda":
-        return False
-    try:
-        from tqcompile.kernels.triton import quantize as triton_quantize
-    except ImportError:
-        return False
-    return triton_quantize.supports(x, quantizer, amax, seed)
-
-
 def _amax(x, quantizer):
     if not _fusable(quantizer):  # no Triton amax kernel: the reference on CUDA too
         return NotImplemented
@@ -66,13 +54,15 @@ def _amax(x, quantizer):
 
 
 def _on_cuda_only_int(t: torch.Tensor, quantizer) -> bool:
-    """On CUDA, decompose only integer formats: their reference is plain integer arithmetic, where
-    an FP8 cast in inductor's Triton code needs FP8 hardware (sm_89+) that eager torch does not."""
+    """On CUDA, decompose only integer formats: FP8, MX and NVFP4 quantize have Triton kernels
+    there, and an FP8 cast in inductor's Triton code needs FP8 hardware (sm_89+), which eager
+    torch's dequantize does not; INT formats have no Triton kernel, and their reference is plain
+    integer arithmetic."""
     return t.device.type != "cuda" or quantizer.element_format().is_int
 
 
 def _quantize(x, quantizer, amax, seed, flat_scale=False):
-    if not (_fusable(quantizer) and _on_cuda_only_int(x, quantizer)) or _triton_serves(x, quantizer, amax, seed):
+    if not (_fusable(quantizer) and _on_cuda_only_int(x, quantizer)):
         return NotImplemented
     data, scale_inv = reference.quantize(x, quantizer, amax, seed)
     return data, scale_inv.reshape(-1) if flat_scale else scale_inv
