@@ -3,7 +3,8 @@
 # Writes its reports under $OUT (default /tmp/tq_gpu_checks):
 #   env.txt      GPU, driver, Python/torch/Triton/transformers versions, each step's status and time
 #   kernels.md   benchmarks/bench_cuda_kernels.py: probes of the native GEMMs, deployed layers vs bf16
-#   tests.txt    tests/test_cuda.py and the CUDA test of tests/test_triton_kernels.py
+#   tests.txt    tests/test_cuda.py and the CUDA tests of tests/test_triton_kernels.py and
+#                compile_tests/test_training_compile.py
 #   demo.txt     `tqcompile demo --device cuda` (the README's main job on a GPU), demo.png/json beside
 
 # Each step has its own time limit, so one that fails or hangs leaves the others' reports.
@@ -33,7 +34,7 @@ if [ "${DEMO:-1}" = 1 ]; then
     timeout "${DEMO_S:-280}" python -c "import sys; from tqcompile.cli import main; sys.exit(main(sys.argv[1:]))" \
         demo --device cuda --steps 150 --plot "$OUT/demo.png" --results "$OUT/demo.json" >"$OUT/demo.txt" 2>&1 &
 fi
-timeout "${TESTS_S:-280}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-4}" -rfE tests/test_cuda.py tests/test_triton_kernels.py -k cuda >"$OUT/tests.txt" 2>&1
+timeout "${TESTS_S:-280}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-4}" -rfE tests/test_cuda.py tests/test_triton_kernels.py compile_tests/test_training_compile.py -k cuda >"$OUT/tests.txt" 2>&1
 log tests $?
 wait
 log demo $?

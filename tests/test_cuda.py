@@ -1,9 +1,5 @@
 """The library on a CUDA GPU (every test here skips without one; run on the lent H100/H200).
 
-- Training: every recipe's demo-GPT step under ``torch.compile(fullgraph=True)`` with inductor on
-  CUDA (the Triton quantize kernels, ``torch._scaled_mm`` for FP8 per tensor / per row): one graph,
-  no break or recompile, the loss goes down, and the first loss equals the CPU's within bf16
-  rounding (the CPU runs the reference kernels the Triton ones match bit for bit).
 - The FP8 GEMM: `tqcompile::gemm_tn` through ``torch._scaled_mm`` against the exact product.
 - Deployment (`tq.compress`): the CUDA rows of `tqcompile.deploy.linear_kernel` on one layer
   (``_int_mm``, tinygemm ``_weight_int4pack_mm``, ``_scaled_mm``, the dequantize path) within
@@ -11,8 +7,10 @@
   code calling the kernels, a static-cache ``generate`` compiled, the INT4 tensor's state_dict.
 - The FP8 KV cache (and query quantizer) on CUDA: bit for bit the calibrated model's logits.
 
-The Triton quantize kernels against the CPU reference: tests/test_triton_kernels.py
-(``test_cuda_op_matches_cpu_reference``).
+Elsewhere, on CUDA too: the Triton quantize kernels against the CPU reference
+(tests/test_triton_kernels.py, ``test_cuda_op_matches_cpu_reference``) and every recipe's training
+step compiled with inductor (compile_tests/test_training_compile.py); benchmarks/gpu_checks.sh
+runs them all.
 """
 
 from __future__ import annotations
@@ -41,52 +39,6 @@ CUDA_KERNEL = {
 }
 # 2 x 16 tokens: M = 32 > 16 (CUDA's _int_mm) and a multiple of 16 (_scaled_mm).
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-# --- training -----------------------------------------------------------------------------------
-def _gpt(recipe, device):
-    from tqcompile.demo.model import GPT, GPTConfig, quantize_model
-
-    cfg = GPTConfig(n_layer=1, d_model=128, n_head=4, mlp_hidden=512, seq_len=128)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    model = quantize_model(model, recipe) if recipe is not None else model
-    return model.to(device), cfg
-
-
-def _train(model, forward, cfg, device, steps=4):
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=g).to(device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(2)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = forward(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
-@pytest.mark.parametrize("name", list(tq.recipes.RECIPES))
-def test_training_step_compiles_with_inductor_on_cuda(name):
-    torch._dynamo.reset()  # a worker's earlier test compiled the same forward: not a recompile of this one
-    model, cfg = _gpt(tq.recipes.get(name), "cuda")
-    counter = CompileCounter("inductor")
-    losses = _train(model, torch.compile(model, backend=counter, fullgraph=True), cfg, "cuda")
-    assert counter.graph_breaks == 0, counter.break_reasons
-    assert counter.frame_count == 1 and counter.recompiles == 0, counter
-    assert losses[-1] < losses[0] - 0.1, losses
-    # The first loss (no update yet) against the CPU's eager step: the same quantized values (the
-    # Triton kernels equal the reference bit for bit), GEMMs and element-wise work summed and
-    # rounded in other orders; the loss is a mean of 128 cross-entropies, bf16's unit roundoff
-    # (2**-8) bounds its relative difference.
-    cpu_model, _ = _gpt(tq.recipes.get(name), "cpu")
-    cpu_loss = _train(cpu_model, cpu_model, cfg, "cpu", steps=1)[0]
-    torch.testing.assert_close(losses[0], cpu_loss, rtol=2.0**-8, atol=0.0)
 
 
 # --- the FP8 GEMM -------------------------------------------------------------------------------
