@@ -34,7 +34,8 @@ if [ "${DEMO:-1}" = 1 ]; then
     timeout "${DEMO_S:-280}" python -c "import sys; from tqcompile.cli import main; sys.exit(main(sys.argv[1:]))" \
         demo --device cuda --steps 150 --plot "$OUT/demo.png" --results "$OUT/demo.json" >"$OUT/demo.txt" 2>&1 &
 fi
-timeout "${TESTS_S:-280}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-4}" -rfE tests/test_cuda.py tests/test_triton_kernels.py compile_tests/test_training_compile.py -k cuda >"$OUT/tests.txt" 2>&1
+PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-4}")  # pytest-xdist where installed
+timeout "${TESTS_S:-280}" python -m pytest -q -p no:cacheprovider $PARALLEL -rfE tests/test_cuda.py tests/test_triton_kernels.py compile_tests/test_training_compile.py -k cuda >"$OUT/tests.txt" 2>&1
 log tests $?
 wait
 log demo $?
