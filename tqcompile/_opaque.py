@@ -38,7 +38,9 @@ CAN_TELL_VALUE_TYPES = _is_value_type is not None
 # torch before 2.13 traces a value opaque object as a fake script object that reads registered
 # members only (`_members`); 2.13 traces the real object, and a member list there would make Dynamo
 # call each method with constant arguments only (measured: a quantizer method taking a tensor failed).
-_READS_REGISTERED_MEMBERS_ONLY = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+# The installed torch's (major, minor): what tells the pre-2.13 Dynamo apart (here and in tqcompile.nn.grouped).
+TORCH_MINOR = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+_READS_REGISTERED_MEMBERS_ONLY = TORCH_MINOR < (2, 13)
 
 
 def _members(cls: type) -> dict:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from tqcompile import ops
+from tqcompile._opaque import TORCH_MINOR
 from tqcompile.api import SUPPORTED_DTYPES
 from tqcompile.groups import all_reduce_amax
 from tqcompile.nn.functional import linear
@@ -206,7 +207,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 # Whether Dynamo traces a message lambda given to `torch._check_value` (torch 2.13 does; 2.11
 # failed with "Failed to convert args/kwargs to proxy ... NestedUserFunctionVariable").
-_CHECK_MESSAGE_TRACES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_CHECK_MESSAGE_TRACES = TORCH_MINOR >= (2, 13)
 
 
 def wrong_counts_length(counts: torch.Tensor, num_experts: int) -> bool:
