@@ -239,3 +239,67 @@ def test_inference_under_no_grad_takes_any_token_count(recipe):
         assert torch.equal(vit(pixel_values=images).logits, logits)
     with pytest.raises(ValueError, match=rf"\({VIT_TOKENS} tokens = batch x sequence\)"):
         vit(pixel_values=images)  # eval() alone keeps grad mode on: backward could follow
+
+
+# --------------------------------------------------------------------------------------------
+# Modules tq cannot fake-quantize from outside are left as they are, and said so
+# --------------------------------------------------------------------------------------------
+def tiny_causal_lm(model_type: str) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32)
+    extra = {
+        "gemma": dict(intermediate_size=64, num_key_value_heads=2, head_dim=16),
+        "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
+    }
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **extra[model_type])).eval()
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "opt"])
+def test_embedding_subclasses_with_their_own_forward_keep_it(model_type):
+    """Gemma scales its embedding in its own forward (GemmaTextScaledWordEmbedding) and OPT's learned
+    positions take position_ids; tq.calibrate gave every nn.Embedding the fake-quant forward, which
+    calls F.embedding: Gemma's logits were silently wrong with the embedding's quantizers all off
+    (cosine 0.86 to the float model under tq.configs.fp8()), OPT's calibration raised a TypeError."""
+    torch.manual_seed(0)
+    model, ids = tiny_causal_lm(model_type), torch.randint(2, 64, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    tq.calibrate(model, tq.configs.int8_weight_only(), None, progress=False)
+    own_forward = [
+        m for m in model.modules() if isinstance(m, nn.Embedding) and fq_modules.base_class(m).forward is not nn.Embedding.forward
+    ]
+    assert own_forward and not any(fq_modules.holds_quantizers(m) for m in own_forward)  # left as they were
+    assert any(fq_modules.holds_quantizers(m) for m in model.modules())  # the linear layers are quantized
+    with torch.no_grad():
+        out = model(ids).logits
+    assert F.cosine_similarity(out.flatten(), ref.flatten(), 0) > 0.999
+
+
+def test_a_rule_for_gemmas_embedding_is_refused_by_name_and_old_states_restore():
+    model = tiny_causal_lm("gemma")
+    rule = tq.configs.QuantRule(name="model.embed_tokens", weight=tq.IntQuantizer())
+    with pytest.warns(
+        tq.calibration.CalibrationWarning, match=r"model.embed_tokens \(GemmaTextScaledWordEmbedding\): .*overrides forward"
+    ):
+        tq.calibrate(model, tq.configs.int8_weight_only().with_rules(rule), None, progress=False)
+    state = tq.quant_state(model)
+    assert "model.embed_tokens" not in state["modules"]
+    # A state saved before lists the embedding with every quantizer off: it restores.
+    off = {"kind": "Embedding", **{s: {"quantizer": None, "amax": None} for s in ("input", "weight", "output")}}
+    old = {**state, "modules": {"model.embed_tokens": off, **state["modules"]}}
+    fresh = tq.restore(tiny_causal_lm("gemma"), old)
+    fresh.load_state_dict(model.state_dict())
+    ids = torch.randint(2, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+def test_nothing_to_quantize_is_said_naming_the_weights_tq_does_not_know():
+    """GPT-2's attention and MLP are transformers' Conv1D (a (in, out) weight and addmm), no nn.Linear:
+    tq.calibrate quantized nothing and said nothing, and tq.export then refused the model."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = nn.Sequential(Conv1D(32, 16), nn.ReLU(), Conv1D(16, 32))
+    with pytest.warns(tq.calibration.CalibrationWarning, match=r"enables no quantizer.*: 0 \(Conv1D\), 2 \(Conv1D\)"):
+        tq.calibrate(model, tq.configs.int8(), lambda m: m(torch.randn(4, 16)), progress=False)

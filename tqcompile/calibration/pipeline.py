@@ -173,7 +173,31 @@ def plan(model: nn.Module, config: QuantConfig, *, warn_unmatched: bool = True) 
                 )
     if skipped:
         warnings.warn("tq.calibrate left these in high precision:\n" + "\n".join(skipped), CalibrationWarning, stacklevel=3)
+    if warn_unmatched and not any(d.action == "convert" and any(q is not None for q in d.using.values()) for d in planned):
+        others = _unknown_weight_holders(model)
+        warnings.warn(
+            "tq.calibrate: the config enables no quantizer on this model, so nothing will be quantized"
+            + (
+                "; these modules hold a 2-D weight but are of no layer kind tq quantizes (nn.Linear or a subclass, "
+                f"nn.Conv1d/2d/3d, tq.nn.GroupedLinear, experts modules): {others}"
+                if others
+                else ""
+            ),
+            CalibrationWarning,
+            stacklevel=3,
+        )
     return planned
+
+
+def _unknown_weight_holders(model: nn.Module, shown: int = 4) -> str:
+    """Modules holding a 2-D `weight` parameter that no kind of `kind_of` covers (transformers'
+    GPT-2 Conv1D, a user's own GEMM module), named with their classes for the warning above."""
+    found = [
+        f"{name} ({type(m).__name__})"
+        for name, m in canonical_modules(model)
+        if kind_of(m) is None and isinstance(m._parameters.get("weight"), torch.Tensor) and m._parameters["weight"].dim() == 2
+    ]
+    return ", ".join(found[:shown]) + (f" and {len(found) - shown} more" if len(found) > shown else "")
 
 
 def check_searches(percentile, kv_scale_search, who: str) -> None:

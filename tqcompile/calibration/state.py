@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tqcompile.calibration.attention import AttentionQuantizers
-from tqcompile.calibration.config import QuantConfig, quantizer_from_dict, quantizer_to_dict
+from tqcompile.calibration.config import ATTENTION_SLOTS, SLOTS, QuantConfig, quantizer_from_dict, quantizer_to_dict
 from tqcompile.calibration.fused import share_fused_weight_amax
 from tqcompile.calibration.modules import (
     PER_EXPERT_KINDS,
@@ -204,7 +204,15 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         if found is not None and unsupported_reason(module) is None and id(module) not in parent_reads:
             check_not_sharded("tq.restore", "module", name, params_owner(module), SHARDED_FIX.format(who="tq.restore"))
             current[name] = module
-    saved: dict[str, Any] = state["modules"]
+    # A state saved before tq stopped converting a module it cannot fake-quantize (an nn.Embedding
+    # subclass with its own forward, such as Gemma's scaled embedding) lists it with every quantizer
+    # off: it carries nothing to restore.
+    by_name = dict(canonical_modules(model))
+    saved: dict[str, Any] = {
+        n: e
+        for n, e in state["modules"].items()
+        if not (n not in current and n in by_name and unsupported_reason(by_name[n]) and _all_off(e))
+    }
     missing, extra = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))
     if missing or extra:
         raise ValueError(
@@ -250,6 +258,12 @@ def restore(model: nn.Module, state: dict[str, Any]) -> nn.Module:
         )
     set_record(model, [d.module for d in plan], CalibrationRecord(config, state["algorithm"], float(state["percentile"])))
     return model
+
+
+def _all_off(entry: Any) -> bool:
+    return isinstance(entry, dict) and all(
+        not isinstance(v, dict) or v.get("quantizer") is None for k, v in entry.items() if k in (*SLOTS, *ATTENTION_SLOTS)
+    )
 
 
 def _wrapper_hint(saved: set[str], current: set[str]) -> str:
