@@ -420,3 +420,22 @@ def test_bad_input(tmp_path):
     back = tq.load_exported(str(tmp_path / "c"), model=nn.Sequential(nn.Linear(32, 32)))
     x = torch.randn(3, 32)
     assert torch.equal(back(x), seq(x))
+
+
+def test_a_model_with_a_4d_buffer_exports_and_loads_back(tmp_path):
+    """MiniMax's linear-attention layers hold a (1, heads, block, block) `diagonal_decay` buffer in
+    their state_dict: the export's name probe gave 4-D tensors one entry (one "row") and failed
+    reshaping it ("shape '[1, 4, 256, 256]' is invalid for input of size 1")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "minimax", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert any(t.dim() == 4 for t in model.state_dict().values())
+    tq.calibrate(model, tq.configs.int8_weight_only(), None, progress=False)
+    tq.export(model, str(tmp_path / "m"))
+    loaded = tq.load_exported(str(tmp_path / "m"))
+    assert torch.equal(_logits(loaded), _logits(model))

@@ -45,8 +45,9 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def _rows(shape: torch.Size) -> int:
-    """Entries of a probe: one per weight row (per expert row for 3-D), one per element below 2-D."""
-    if len(shape) >= 2:
+    """Entries of a probe: one per weight row (per expert row for 3-D), one per element of any other
+    tensor (below 2-D, or above 3-D: MiniMax's 4-D attention buffers failed the export)."""
+    if len(shape) in (2, 3):
         return shape[0] * (shape[1] if len(shape) == 3 else 1)
     return max(1, torch.Size(shape).numel())
 
