@@ -251,6 +251,7 @@ def tiny_causal_lm(model_type: str) -> nn.Module:
     extra = {
         "gemma": dict(intermediate_size=64, num_key_value_heads=2, head_dim=16),
         "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
+        "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
     }
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **extra[model_type])).eval()
 
@@ -303,3 +304,22 @@ def test_nothing_to_quantize_is_said_naming_the_weights_tq_does_not_know():
     model = nn.Sequential(Conv1D(32, 16), nn.ReLU(), Conv1D(16, 32))
     with pytest.warns(tq.calibration.CalibrationWarning, match=r"enables no quantizer.*: 0 \(Conv1D\), 2 \(Conv1D\)"):
         tq.calibrate(model, tq.configs.int8(), lambda m: m(torch.randn(4, 16)), progress=False)
+
+
+def test_falcons_linear_layers_are_quantized():
+    """Every linear layer of a Falcon is transformers' FalconLinear, an nn.Linear subclass whose own
+    forward computes ``x @ W.T + b``: tq.calibrate skipped them all as overriding forward (nothing
+    quantized; tq.export then refused the model). That forward is F.linear's computation, so the
+    fake-quant forward stands in for it."""
+    torch.manual_seed(0)
+    model, ids = tiny_causal_lm("falcon"), torch.randint(2, 64, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    linears = [n for n, m in model.named_modules() if type(m).__name__ == "FalconLinear" and n != "lm_head"]
+    tq.calibrate(model, tq.configs.int8(), lambda m: m(ids), progress=False)
+    quantized = {r.name for r in tq.summary(model).rows if r.weight.startswith("INT8")}
+    assert linears and set(linears) <= quantized
+    with torch.no_grad():
+        out = model(ids).logits
+    assert F.cosine_similarity(out.flatten(), ref.flatten(), 0) > 0.999
+    assert {r.kernel for r in tq.deploy.deployed_layers(tq.compress(model))} == {"int_mm"}
