@@ -252,6 +252,7 @@ def tiny_causal_lm(model_type: str) -> nn.Module:
         "gemma": dict(intermediate_size=64, num_key_value_heads=2, head_dim=16),
         "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
         "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+        "olmo2": dict(intermediate_size=64, num_key_value_heads=2),
     }
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **extra[model_type])).eval()
 
@@ -323,3 +324,17 @@ def test_falcons_linear_layers_are_quantized():
         out = model(ids).logits
     assert F.cosine_similarity(out.flatten(), ref.flatten(), 0) > 0.999
     assert {r.kernel for r in tq.deploy.deployed_layers(tq.compress(model))} == {"int_mm"}
+
+
+def test_smoothquant_that_smooths_nothing_says_so():
+    """OLMo 2 normalises after attention and MLP: no norm produces any layer's input, so SmoothQuant
+    (which folds into norms only, by default) returned the naive W8A8 model and said nothing."""
+    torch.manual_seed(0)
+    batches = [torch.randint(2, 64, (2, 16)) for _ in range(2)]
+    loop = lambda m: [m(b) for b in batches]  # noqa: E731
+    model = tiny_causal_lm("olmo2")
+    with pytest.warns(tq.calibration.CalibrationWarning, match=r"SmoothQuant smoothed no layer.*linear_folds=True"):
+        tq.calibrate(model, tq.configs.int8(), loop, algorithm="smoothquant", progress=False)
+    model = tiny_causal_lm("olmo2")
+    tq.calibrate(model, tq.configs.int8(), loop, algorithm=tq.calibration.SmoothQuant(linear_folds=True), progress=False)
+    assert "smoothquant" in tq.summary(model).rows[-2].method  # the last down_proj, folded into up_proj

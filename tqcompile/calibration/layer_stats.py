@@ -191,6 +191,7 @@ class Context:
     device: torch.device
     probe: tuple | None = None  # (args, kwargs) of the model's first call
     unsmoothed: list[str] = dataclasses.field(default_factory=list)
+    smoothed: int = 0  # layers a smoothing fold was kept for
     fell_back: list[str] = dataclasses.field(default_factory=list)
     fold_runner: object = None  # while a replayed group smooths: its layer on its first cached batch
 

@@ -56,6 +56,7 @@ def smooth(ctx: Context, members: list, stats: dict, recorder: FoldRecorder, par
             stats[u].rescale(s)
             ctx.units[u].methods.append(name)
             smoothed.append(u)
+    ctx.smoothed += len(smoothed)
     clip = isinstance(algo, AWQ) and algo.clip
     for u, reason in left:
         ctx.unsmoothed.append(f"  {ctx.name(u)}: {reason}" + ("; weight clipping search only" if clip else ""))

@@ -138,6 +138,15 @@ def run_transforms(
         bar.close()
         for c in by_first.values():
             c.release()
+    if plan.smoothing is not None and units and ctx.smoothed == 0 and not ctx.unsmoothed:
+        # Every layer left out by choice: on a post-norm model (OLMo 2) no norm produces any layer's input.
+        warnings.warn(
+            "tq.calibrate: SmoothQuant smoothed no layer: no norm produces the input of any quantized layer, and "
+            "SmoothQuant(linear_folds=False) folds into nothing else; algorithm=tq.calibration.SmoothQuant(linear_folds=True) "
+            "also folds into the linear layer before a layer where the fold is exact (up_proj into down_proj)",
+            CalibrationWarning,
+            stacklevel=3,
+        )
     if ctx.unsmoothed:
         warnings.warn(
             f"tq.calibrate: {type(plan.smoothing).__name__} left these layers unsmoothed, rounded without scales:\n"
