@@ -439,3 +439,29 @@ def test_a_model_with_a_4d_buffer_exports_and_loads_back(tmp_path):
     tq.export(model, str(tmp_path / "m"))
     loaded = tq.load_exported(str(tmp_path / "m"))
     assert torch.equal(_logits(loaded), _logits(model))
+
+
+def test_experts_saved_as_one_tensor_are_refused_with_the_rule_that_exports(tmp_path):
+    """GraniteMoE's checkpoints hold every expert in one tensor (``input_linear.weight``): tq.export
+    wrote them quantized that way, which its own loader refused ("holds all experts in one tensor")
+    and vLLM cannot map (it renames only the float ``.weight``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tqcompile.calibration import QuantRule
+
+    cfg = AutoConfig.for_model(
+        "granitemoe", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    tq.calibrate(model, tq.configs.int8_weight_only(), None, progress=False)
+    with pytest.raises(ExportError, match=r"one tensor of every expert: .*input_linear.weight.*QuantRule\(name='\*.experts.\*'"):
+        tq.export(model, str(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    rule = QuantRule(name="*.experts.*", input=False, weight=False)
+    tq.calibrate(model, tq.configs.int8_weight_only().with_rules(rule), None, progress=False)
+    tq.export(model, str(tmp_path / "b"))
+    assert torch.equal(_logits(tq.load_exported(str(tmp_path / "b"))), _logits(model))

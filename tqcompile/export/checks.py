@@ -60,6 +60,29 @@ def check_experts(model: nn.Module, schemes: dict) -> None:
             )
 
 
+def check_fused_experts(model: nn.Module, units: list[ExportUnit]) -> None:
+    """Refuse quantized experts that a Hugging Face model saves as one tensor of every expert
+    (GraniteMoE's ``input_linear.weight``): vLLM maps only that tensor's float name onto its fused
+    experts, and `tq.load_exported` reads quantized experts per expert, so nothing could load the
+    checkpoint (measured before this check: tq wrote it, its own loader refused it)."""
+    from tqcompile.export.names import is_hf_model, placements
+    from tqcompile.surgery.names import unwrap
+
+    keys = [u.weight_key for u in units if u.experts]
+    if not keys or not is_hf_model(model):
+        return
+    model = unwrap(model)
+    where = placements(model, {k: model.get_parameter(k).shape for k in keys})
+    fused = sorted({p.name for k in keys for p in where[k] if p.expert is None})
+    if fused:
+        raise ExportError(
+            f"tq.export: transformers saves these experts as one tensor of every expert: {', '.join(fused)}; vLLM loads such "
+            "a tensor only in high precision and tq.load_exported loads quantized experts per expert, so no checkpoint "
+            "with them quantized would load: keep the experts in high precision, e.g. "
+            "config.with_rules(QuantRule(name='*.experts.*', input=False, weight=False))"
+        )
+
+
 def extra_targets(model: nn.Module, units: list[ExportUnit]) -> list[str]:
     """Quantized layers an engine builds as something other than a Linear: the LM head."""
     return [u.name for u in units if not builds_as_linear(u.name)]

@@ -13,7 +13,15 @@ import torch.distributed as dist
 from torch import nn
 
 from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat
-from tqcompile.export.checks import ExportWarning, check_experts, check_fused, check_scales, extra_targets, shared_global_amax
+from tqcompile.export.checks import (
+    ExportWarning,
+    check_experts,
+    check_fused,
+    check_fused_experts,
+    check_scales,
+    extra_targets,
+    shared_global_amax,
+)
 from tqcompile.export.families import pack_int32_words
 from tqcompile.export.files import Destination
 from tqcompile.export.kv_cache import QUERY_QUANTIZER, QUERY_TENSOR, kv_cache_units, kv_scale
@@ -267,6 +275,7 @@ def export(
         fmt.kv_cache_config({"quantization": {}}, {}, kv[0])  # refuses a KV scheme the format cannot hold, before writing
     fmt.check_targets(extra_targets(model, units))
     check_fused(model, schemes)
+    check_fused_experts(model, units)
     if collective not in (None, True, False):
         raise ValueError(f"tq.export: collective={collective!r} is not allowed; allowed: None (collective under torch.distributed), True, False")
     sharded = checkpoint is None and _sharded_device(model) is not None
