@@ -48,6 +48,18 @@ def test_codes_are_the_ocp_values(fmt):
     assert (fmt.pack_elements, fmt.pack_bytes) == (4, 3)
 
 
+@pytest.mark.parametrize("fmt", [Format.E2M1, *FP6])
+def test_compiled_decode_is_the_table_bit_for_bit(fmt):
+    """Under compile (inductor tracing a dequantize decomposition) the small floats decode by
+    arithmetic, not by the table: every code's value and sign bit (-0 included) are the table's."""
+    codes = torch.arange(2**fmt.bits, dtype=torch.uint8)
+    table, arithmetic = fmt.codec.decode(codes), fmt.codec._decode_arithmetic(codes)
+    assert torch.equal(arithmetic, table) and torch.equal(torch.signbit(arithmetic), torch.signbit(table))
+    torch._dynamo.reset()
+    compiled = torch.compile(fmt.codec.decode, fullgraph=True, backend="inductor")(codes)
+    assert torch.equal(compiled, table) and torch.equal(torch.signbit(compiled), torch.signbit(table))
+
+
 @pytest.mark.parametrize("fmt", list(FP6))
 def test_rounding_ties_to_even_saturates_and_has_no_nan(fmt):
     grid = sorted({abs(v) for v in fmt.codec.decode(torch.arange(32, dtype=torch.uint8)).tolist()})
