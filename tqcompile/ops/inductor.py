@@ -29,6 +29,8 @@ beside a 0.55 ms INT8 GEMM at M = 4096).
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 import torch
 
@@ -98,9 +100,42 @@ def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_am
     return reference.fp8_gemm_cpu(a_data, a_scale_inv, a_quantizer, b_data, b_scale_inv, b_quantizer, out_dtype)
 
 
+# The sources whose code the decompositions are: the reference kernels, the quantizers' and formats'
+# arithmetic, and this module's choice of what to decompose.
+_NUMERICS_SOURCES = ("kernels/reference.py", "ops/inductor.py", "quantizers", "formats")
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def numerics_key(root: Path = _PACKAGE, sources: tuple[str, ...] = _NUMERICS_SOURCES) -> str:
+    """A digest of the source files inductor's code for tq's ops is generated from."""
+    digest = hashlib.sha256()
+    for src in sources:
+        path = root / src
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"tqcompile-numerics-{digest.hexdigest()[:16]}"
+
+
+def _key_the_compile_caches() -> None:
+    """Put `numerics_key` into torch's compile cache keys (`torch.compiler.config.cache_key_tag`,
+    appended to the user's own tag). Inductor's FX graph cache keys a graph on torch's code and
+    config, not on the decompositions it was handed: measured, with the cache warm from code that
+    decomposes NVFP4's dequantization, the code before that change got the decomposed graph back
+    (2.4 ms a call, where its own compile gives the opaque op's 12 ms); a changed reference kernel
+    would come back with its old numerics the same way."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return
+    tag = numerics_key()
+    if tag not in config.cache_key_tag:
+        config.cache_key_tag = f"{config.cache_key_tag}|{tag}" if config.cache_key_tag else tag
+
+
 @functools.cache
 def register_inductor_decompositions() -> None:
-    """Give inductor the reference kernels of the `tqcompile` ops as decompositions (idempotent)."""
+    """Give inductor the reference kernels of the `tqcompile` ops as decompositions (idempotent),
+    and key torch's compile caches on their source (`_key_the_compile_caches`)."""
+    _key_the_compile_caches()
     from torch._inductor import decomposition
     from torch._inductor.decomposition import decompositions
     from torch._inductor.lowering import make_fallback
