@@ -338,3 +338,41 @@ def test_smoothquant_that_smooths_nothing_says_so():
     model = tiny_causal_lm("olmo2")
     tq.calibrate(model, tq.configs.int8(), loop, algorithm=tq.calibration.SmoothQuant(linear_folds=True), progress=False)
     assert "smoothquant" in tq.summary(model).rows[-2].method  # the last down_proj, folded into up_proj
+
+
+# --------------------------------------------------------------------------------------------
+# Multimodal models: the language model is quantized, the vision encoder and projector are not
+# --------------------------------------------------------------------------------------------
+def tiny_llava() -> nn.Module:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)  # fmt: skip
+    cfg = AutoConfig.for_model("llava", text_config=text, vision_config=vision, image_token_index=250)
+    return AutoModelForImageTextToText.from_config(cfg).eval()
+
+
+def test_a_vlm_quantizes_its_language_model_and_loads_back(tmp_path):
+    """The presets quantized a VLM's vision tower and projector too (llmcompressor's and ModelOpt's
+    VLM recipes keep them in high precision, as vLLM serves them), and tq.load_exported built every
+    checkpoint with AutoModelForCausalLM, which refuses Llava, Qwen2.5-VL and Mistral3 configs."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    model, ids = tiny_llava(), torch.randint(1, 240, (2, 12))
+    tq.calibrate(model, tq.configs.int8_weight_only(), None, progress=False)
+    quantized = {r.name for r in tq.summary(model).rows if r.weight != "off"}
+    assert quantized and all(n.startswith("model.language_model.") for n in quantized)
+    assert any(n.startswith("model.vision_tower.") for n in (r.name for r in tq.summary(model).rows))  # converted, off
+    tq.export(model, str(tmp_path / "m"))
+    loaded = tq.load_exported(str(tmp_path / "m"))
+    assert type(loaded).__name__ == "LlavaForConditionalGeneration"
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    # A vision model on its own (its layers under a top-level `vision_model`) is the model: quantized.
+    clip_cfg = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    clip = CLIPVisionModel(clip_cfg)
+    tq.calibrate(clip, tq.configs.int8_weight_only(), None, progress=False)
+    assert {r.weight != "off" for r in tq.summary(clip).rows if r.name.endswith(("_proj", "fc1", "fc2"))} == {True}

@@ -57,10 +57,18 @@ HEAD_MODULES = ("classifier",)
 # `shared_expert_gate`: Qwen2-MoE / Qwen3-Next gate the shared expert with a (hidden -> 1) Linear that
 # vLLM builds in high precision.
 ROUTER_NAMES = ("router", "gate", "shared_expert_gate")
+# The vision (and audio) encoders and projectors of Hugging Face's multimodal models stay in high
+# precision, as llmcompressor's and ModelOpt's VLM recipes keep them (vLLM serves them so; their
+# share of the compute is small and their accuracy sensitive). Matched below a parent module only
+# for `vision_model`: a CLIP or SigLIP vision model on its own holds its layers under a top-level
+# `vision_model`, and those are the model the user quantizes.
+ENCODER_NAMES = ("vision_tower", "visual", "multi_modal_projector", "mm_projector", "audio_tower")
+NESTED_ENCODER_NAMES = ("vision_model",)
 
 
 def default_disabled() -> tuple[QuantRule, ...]:
-    """The rules every preset ends with: norms, embeddings, the output head and MoE routers off."""
+    """The rules every preset ends with: norms, embeddings, the output head, MoE routers and a
+    multimodal model's vision and audio encoders and projectors off."""
     rules = [
         QuantRule.disable(module_types=NORMS, must_match=False),
         QuantRule.disable(module_types=(nn.Embedding,), must_match=False),
@@ -69,8 +77,9 @@ def default_disabled() -> tuple[QuantRule, ...]:
         rules += [QuantRule.disable(n, must_match=False), QuantRule.disable(f"*.{n}", must_match=False)]
     # Layers inside such modules too: a head built as a module (RoBERTa), a router holding its
     # nn.Linear one level down (HunYuan-MoE's mlp.gate.wg).
-    for n in HEAD_MODULES + ROUTER_NAMES:
+    for n in HEAD_MODULES + ROUTER_NAMES + ENCODER_NAMES:
         rules += [QuantRule.disable(f"{n}.*", must_match=False), QuantRule.disable(f"*.{n}.*", must_match=False)]
+    rules += [QuantRule.disable(f"*.{n}.*", must_match=False) for n in NESTED_ENCODER_NAMES]
     return tuple(rules)
 
 

@@ -40,7 +40,7 @@ from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format
 from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.kv_cache import KV_TENSORS, QUERY_QUANTIZER, QUERY_TENSOR
-from tqcompile.export.names import Placement, placements, put_placed
+from tqcompile.export.names import Placement, hf_model_from_config, placements, put_placed
 from tqcompile.export.safetensors_io import dtype_name
 from tqcompile.export.scales import bad_values, scaled_amax
 from tqcompile.export.units import ExportError
@@ -98,12 +98,12 @@ def _build_model(path: str, config: dict, dtype: torch.dtype) -> nn.Module:
             f"tq.load_exported: {path!r}'s config.json names no model_type (not a transformers checkpoint); "
             "pass the model to fill: tq.load_exported(path, model=build_model())"
         )
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path)
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config  # else transformers would quantize the model it builds
-    return AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    return hf_model_from_config(hf_config, dtype=dtype).eval()
 
 
 def _unit_by_weight_key(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:

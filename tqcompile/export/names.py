@@ -23,7 +23,7 @@ from torch import nn
 
 from tqcompile.surgery.names import unwrap
 
-__all__ = ["Placement", "placements", "put_placed", "is_hf_model"]
+__all__ = ["Placement", "placements", "put_placed", "is_hf_model", "hf_model_from_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,19 @@ def is_hf_model(model: nn.Module) -> bool:
 
     tf = sys.modules.get("transformers")
     return tf is not None and isinstance(unwrap(model), tf.PreTrainedModel)
+
+
+def hf_model_from_config(config, **kwargs) -> nn.Module:
+    """The model of a transformers config: the class its `architectures` names (a multimodal
+    model's ``*ForConditionalGeneration``, which AutoModelForCausalLM refuses), else
+    AutoModelForCausalLM's."""
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls._from_config(config, **kwargs)
+    return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def _rows(shape: torch.Size) -> int:

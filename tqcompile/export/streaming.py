@@ -29,6 +29,7 @@ from tqcompile.calibration.modules import ExpertGemmQuantizers, holds_quantizers
 from tqcompile.calibration.pipeline import check_data_free, check_searches, prepare, weight_amax
 from tqcompile.export.files import check_destination
 from tqcompile.export.layerwise import calibrate_layerwise, check_batches, parameters_on_meta
+from tqcompile.export.names import hf_model_from_config
 from tqcompile.export.readers import safetensors_reader, trim_heap
 from tqcompile.export.safetensors_io import parse_size
 from tqcompile.export.units import ExportError
@@ -42,14 +43,14 @@ def _meta_model(path: str, buffers: bool = False) -> nn.Module:
     """The model of the checkpoint's config.json on the meta device (`buffers`: with its buffers
     real, to run)."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError as e:  # pragma: no cover - transformers is installed wherever HF checkpoints are read
         raise ExportError("tq.quantize_checkpoint: building the model from config.json needs transformers; or pass model=") from e
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ExportError(f"tq.quantize_checkpoint: {path!r} has no config.json to build the model from; pass model= (built on the meta device)")
     config = AutoConfig.from_pretrained(path)
     with parameters_on_meta() if buffers else torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config).eval()
+        return hf_model_from_config(config).eval()
 
 
 @contextlib.contextmanager
