@@ -50,18 +50,23 @@ def test_compiled_with_inductor_int8_weight_only():
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
 
 
-def test_inductor_fuses_the_activation_quantization_of_w8a8():
-    """INT8 activations per token: inductor generates their quantization (the decomposed
-    `tqcompile::quantize`) next to the op before it; the generated code calls no tqcompile op
-    and `torch._int_mm` for every linear layer."""
+def _with_inductor(preset: str):
+    """A compressed model of `preset`, its eager logits, and its inductor-compiled output and generated code."""
     from torch._inductor.utils import run_and_get_code
 
-    m = tq.compress(calibrated("int8_dynamic"))
+    m = tq.compress(calibrated(preset))
     eager = logits(m)
     torch._dynamo.reset()
     with torch.no_grad():
         out, code = run_and_get_code(torch.compile(m, fullgraph=True), IDS)
-    source = "\n".join(code)
+    return m, eager, out, "\n".join(code)
+
+
+def test_inductor_fuses_the_activation_quantization_of_w8a8():
+    """INT8 activations per token: inductor generates their quantization (the decomposed
+    `tqcompile::quantize`) next to the op before it; the generated code calls no tqcompile op
+    and `torch._int_mm` for every linear layer."""
+    _, eager, out, source = _with_inductor("int8_dynamic")
     assert "torch.ops.tqcompile" not in source  # no opaque tqcompile kernel is called
     assert "Original ATen: [tqcompile.quantize" in source  # a generated kernel computes the quantization
     assert source.count("extern_kernels._int_mm(") == 14
@@ -72,15 +77,8 @@ def test_inductor_generates_the_dequantization_of_packed_nvfp4():
     """A packed NVFP4 weight is dequantized on every call (no CPU kernel reads it): inductor
     generates that dequantization (E2M1 codes decoded arithmetically, `SmallFloatCodec.decode`)
     instead of calling the opaque op, which ran the table decode as a dozen eager passes (a decode
-    step 4.3x slower, docs/deploy.md); the dequantized weight is eager's bit for bit."""
-    from torch._inductor.utils import run_and_get_code
-
-    m = tq.compress(calibrated("nvfp4"))
-    eager = logits(m)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out, code = run_and_get_code(torch.compile(m, fullgraph=True), IDS)
-    source = "\n".join(code)
+    step 2.9x slower, docs/deploy.md); the dequantized weight is eager's bit for bit."""
+    m, eager, out, source = _with_inductor("nvfp4")
     assert "torch.ops.tqcompile.dequantize" not in source
     assert "Original ATen: [tqcompile.dequantize" in source
     # fp32: inductor's own norms and attention move the logits within 1e-4. (In bf16 they move the
