@@ -46,7 +46,8 @@ def _fusable(q) -> bool:
     tensor or row (FP8 and INT). The block layouts stay opaque: measured, inductor's CPU backend
     has no C++ type for float8_e8m0fnu (MX scales: "missing from DTYPE_TO_CPP"), and its loop
     tiling asserts on the 1-D block reshapes of BLOCKWISE_1D FP8 and 1x16 NVFP4 when a graph
-    quantizes a tensor and its transpose ("extra_indexing_ranges")."""
+    quantizes a tensor and its transpose ("extra_indexing_ranges"). NVFP4's dequantize alone is
+    decomposed too (`_dequantize_fusable`)."""
     return q.layout()[0] in (Granularity.TENSORWISE, Granularity.ROWWISE) and q.scale_dtype() == torch.float32
 
 
