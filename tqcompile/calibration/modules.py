@@ -256,10 +256,11 @@ _FORWARD_OWNER = {
     # learned positions take position_ids (calibration failed). The norm mixins call super().forward.
     nn.Embedding: nn.Embedding,
 }
-# nn.Linear subclasses whose own forward computes F.linear(x, weight, bias) and nothing else (read in
-# their source), so the fake-quant forward may stand in for it: transformers' FalconLinear
-# (``x @ W.T``, then ``+ b``; every linear layer of a Falcon: without this tq.calibrate quantized none).
-LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+# Forwards of nn.Linear subclasses that compute F.linear(x, weight, bias) and nothing else (read in
+# their source), so the fake-quant forward may stand in for them, named by the function (a subclass
+# inheriting it matches, one overriding it again does not): transformers' FalconLinear (``x @ W.T``,
+# then ``+ b``; every linear layer of a Falcon: without this tq.calibrate quantized none).
+LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear.forward"})
 # The mixins tq.calibrate (and tq.compress, `register_mixin`) generate classes with: `base_class`
 # sees through those classes only.
 _MIXINS = {*(mixin for _, _, mixin, _ in _KINDS), _ExpertsFQ, *ATTENTION_MIXINS}
@@ -359,7 +360,7 @@ def unsupported_reason(module: nn.Module) -> str | None:
         if getattr(module.owner, "_is_expert_parallel", False):
             return "transformers' own expert parallelism is enabled on its experts module (its sentinel routing is not supported)"
     own = base_class(module)
-    if f"{own.__module__}.{own.__qualname__}" in LINEAR_FORWARDS:
+    if isinstance(module, nn.Linear) and f"{own.forward.__module__}.{own.forward.__qualname__}" in LINEAR_FORWARDS:
         return None
     for cls, owner in _FORWARD_OWNER.items():
         if isinstance(module, cls):
