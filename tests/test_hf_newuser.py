@@ -376,3 +376,37 @@ def test_a_vlm_quantizes_its_language_model_and_loads_back(tmp_path):
     clip = CLIPVisionModel(clip_cfg)
     tq.calibrate(clip, tq.configs.int8_weight_only(), None, progress=False)
     assert {r.weight != "off" for r in tq.summary(clip).rows if r.name.endswith(("_proj", "fc1", "fc2"))} == {True}
+
+
+def test_encoder_decoder_models_export_and_load_back(tmp_path):
+    """T5 and Whisper: tq.load_exported built every checkpoint with AutoModelForCausalLM (which
+    refuses them), and the presets quantized Whisper's output head `proj_out`, tied to the decoder's
+    embedding, so tq.export refused the model. (Whisper's convolution stem: kept in high precision
+    by a rule, as export's error says: serving formats quantize linear layers only.)"""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    from tqcompile.calibration import QuantRule
+
+    sizes = dict(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128)  # fmt: skip
+    whisper_cfg = AutoConfig.for_model(
+        "whisper", **sizes, num_mel_bins=16, max_source_positions=16, max_target_positions=16, decoder_start_token_id=1, pad_token_id=0
+    )
+    t5_cfg = AutoConfig.for_model("t5", vocab_size=128, d_model=64, d_ff=128, num_layers=1, num_heads=4, d_kv=16, decoder_start_token_id=0)
+    decoder_ids = torch.randint(3, 120, (2, 6))
+    cases = {
+        "whisper": (AutoModelForSpeechSeq2Seq.from_config(whisper_cfg), {"input_features": torch.randn(2, 16, 32)}),
+        "t5": (AutoModelForSeq2SeqLM.from_config(t5_cfg), {"input_ids": torch.randint(3, 120, (2, 10))}),
+    }
+    keep_convs = QuantRule.disable(module_types=(nn.Conv1d,), must_match=False)
+    for name, (model, inputs) in cases.items():
+        model.eval()
+        inputs = {**inputs, "decoder_input_ids": decoder_ids}
+        tq.calibrate(model, tq.configs.int8_dynamic().with_rules(keep_convs), lambda m, x=inputs: m(**x), progress=False)
+        quantized = {r.name for r in tq.summary(model).rows if r.weight != "off"}
+        assert quantized and "proj_out" not in quantized, name
+        tq.export(model, str(tmp_path / name))
+        loaded = tq.load_exported(str(tmp_path / name))
+        assert type(loaded) is type(model), name
+        with torch.no_grad():
+            assert torch.equal(loaded(**inputs).logits, model(**inputs).logits), name

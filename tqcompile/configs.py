@@ -51,6 +51,9 @@ NORMS: tuple[type, ...] = (
 # The head's output is the loss's input (logits): quantizing it costs the most accuracy for the least
 # compute. `classifier` and `score` are the names Hugging Face gives classification heads.
 HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier", "score")
+# Heads matched at the top level only: Whisper's output head is `proj_out` (tied to the decoder's
+# embedding, so a quantized one cannot be exported), a name diffusion transformers give inner layers.
+TOP_LEVEL_HEAD_NAMES = ("proj_out",)
 # Heads Hugging Face builds as modules of their own (RobertaClassificationHead and some 20 more): their
 # layers too. Only `classifier`: `output` is also the name of every BERT layer's output block.
 HEAD_MODULES = ("classifier",)
@@ -75,6 +78,7 @@ def default_disabled() -> tuple[QuantRule, ...]:
     ]
     for n in HEAD_NAMES + ROUTER_NAMES:
         rules += [QuantRule.disable(n, must_match=False), QuantRule.disable(f"*.{n}", must_match=False)]
+    rules += [QuantRule.disable(n, must_match=False) for n in TOP_LEVEL_HEAD_NAMES]
     # Layers inside such modules too: a head built as a module (RoBERTa), a router holding its
     # nn.Linear one level down (HunYuan-MoE's mlp.gate.wg).
     for n in HEAD_MODULES + ROUTER_NAMES + ENCODER_NAMES:
