@@ -183,6 +183,25 @@ def test_meta_model_errors_name_the_tensor_and_the_fix(tmp_path):
         tq.restore(_mlp(), state)
 
 
+def test_weights_offloaded_by_accelerate_name_the_offload_and_quantize_checkpoint():
+    """A model loaded with `device_map="auto"` and too little memory holds meta placeholders whose
+    values accelerate's hooks keep on the CPU or disk (checked with accelerate 1.15): the error said
+    "built under torch.device('meta')" and advised `to_empty`, which would throw the weights away.
+    The hook is stood in for here (accelerate is not a dependency): what tq reads is its `offload`."""
+
+    class AlignDevicesHook:  # accelerate's, as tq sees it
+        offload = True
+
+    class SequentialHook:
+        hooks = (AlignDevicesHook(),)
+
+    for hook in (AlignDevicesHook(), SequentialHook()):
+        model = _meta_mlp()
+        model[0]._hf_hook = hook
+        with pytest.raises(ValueError, match=r"'0\.weight' is offloaded by accelerate.*tq.quantize_checkpoint\(path, out, config\)"):
+            tq.calibrate(model, tq.configs.int8(), lambda m: m(torch.randn(4, 32)))
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process, on purpose
 def test_a_checkpoint_saved_with_the_old_names_still_loads(tmp_path, monkeypatch):
     """Checkpoints written before the fix hold the cut names; `load` still matches them."""

@@ -44,10 +44,24 @@ def check_not_meta(model: nn.Module, who: str, fix: str) -> None:
             for key, t in tensors.items():
                 if t is not None and t.is_meta:
                     full = f"{name}.{key}" if name else key
+                    if _offloaded(module):
+                        raise ValueError(
+                            f"{who}: {kind} {full!r} is offloaded by accelerate (a device_map that put weights on the CPU or disk "
+                            "keeps their values outside the module, which holds a meta placeholder); load the model onto one "
+                            "device without offloading, or quantize the checkpoint one weight at a time: "
+                            "tq.quantize_checkpoint(path, out, config) (docs/ptq.md)"
+                        )
                     raise ValueError(
                         f"{who}: {kind} {full!r} is on the meta device (a shape without values: the model was built under "
                         f"torch.device('meta') or loaded with device_map='meta'); {fix}"
                     )
+
+
+def _offloaded(module: nn.Module) -> bool:
+    """Whether accelerate's hook offloads the module's weights (`device_map` with CPU or disk offload:
+    its AlignDevicesHook, alone or in a SequentialHook, has ``offload`` set)."""
+    hook = getattr(module, "_hf_hook", None)
+    return any(getattr(h, "offload", False) for h in (hook, *getattr(hook, "hooks", ())) if h is not None)
 
 
 @dataclasses.dataclass(frozen=True)
