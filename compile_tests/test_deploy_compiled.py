@@ -73,21 +73,53 @@ def test_inductor_fuses_the_activation_quantization_of_w8a8():
     torch.testing.assert_close(out.logits, eager, rtol=1e-4, atol=1e-4)
 
 
-def test_inductor_generates_the_dequantization_of_packed_nvfp4():
-    """A packed NVFP4 weight is dequantized on every call (no CPU kernel reads it): inductor
-    generates that dequantization (E2M1 codes decoded arithmetically, `SmallFloatCodec.decode`)
-    instead of calling the opaque op, which ran the table decode as a dozen eager passes (a decode
-    step 2.9x slower, docs/deploy.md); the dequantized weight is eager's bit for bit."""
-    m, eager, out, source = _with_inductor("nvfp4")
-    assert "torch.ops.tqcompile.dequantize" not in source
+@pytest.mark.parametrize("preset", ["nvfp4", "mxfp6"])
+def test_inductor_generates_the_dequantization_of_packed_block_formats(preset):
+    """A packed NVFP4 or MX weight is dequantized on every call (no CPU kernel reads it): inductor
+    generates that dequantization (E2M1 / E2M3 codes decoded arithmetically,
+    `SmallFloatCodec.decode`; MX's E8M0 scales from their uint8 bits, `MXPackedTensor`) instead of
+    calling the opaque op, which ran the table decode as a dozen eager passes (a decode step 2.9x
+    slower for NVFP4, 4.8x for MXFP8, docs/deploy.md); the dequantized weight is eager's bit for bit."""
+    m, eager, out, source = _with_inductor(preset)
+    # MX activations stay opaque: their E8M0 scales are made in the graph (14 linear layers).
+    assert source.count("torch.ops.tqcompile.dequantize.default(") == (14 if preset.startswith("mx") else 0)
     assert "Original ATen: [tqcompile.dequantize" in source
     # fp32: inductor's own norms and attention move the logits within 1e-4. (In bf16 they move the
     # activations' NVFP4 codes too: 0.10 of 0.88 before and after this decomposition, measured.)
     torch.testing.assert_close(out.logits, eager, rtol=1e-4, atol=1e-4)
-    for model in (m, tq.compress(calibrated("nvfp4", torch.bfloat16))):
+    for model in (m, tq.compress(calibrated(preset, torch.bfloat16))):
         w = model.model.layers[0].mlp.down_proj.weight
         torch._dynamo.reset()
         assert torch.equal(torch.compile(lambda t: t.dequantize(), fullgraph=True)(w), w.dequantize())
+
+
+MX_ELEMENTS = [tq.Format.E4M3, tq.Format.E5M2, tq.Format.E2M3, tq.Format.E3M2, tq.Format.E2M1]
+
+
+@pytest.mark.parametrize("fmt", MX_ELEMENTS, ids=str)
+def test_inductor_dequantizes_every_mx_element_format_bit_for_bit(fmt):
+    """Every MX element format's deployed weight (`MXPackedTensor`, E8M0 scales as bits) dequantizes
+    under inductor to eager's tensor bit for bit, with no opaque op, on values spanning the scales'
+    range (blocks from 2**-100 to 2**100), zeros, subnormal codes and negative zeros included."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tqcompile.tensor import quantize_usages
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-100, 100, (64, 8), generator=g).float()).repeat_interleave(
+        32, 1
+    )
+    w[0, :32] = 0.0
+    w[1, :32] = -0.0
+    w[2, :32] = torch.linspace(-1e-3, 1e-3, 32)  # one block of small values next to 0: subnormal codes
+    qt = quantize_usages(w.bfloat16(), None, tq.MXQuantizer(fmt), rowwise=True, columnwise=False, seed=None, group_name=None)
+    mt = tq.deploy.MXPackedTensor.from_quantized(qt)
+    assert mt._scale_inv.dtype == torch.uint8 and torch.equal(mt.scale_e8m0.view(torch.uint8), qt._scale_inv.view(torch.uint8))
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(lambda t: t.dequantize(torch.float32), fullgraph=True), mt)
+    assert "torch.ops.tqcompile.dequantize" not in "\n".join(code)
+    want = qt.dequantize(torch.float32)
+    assert torch.equal(out, want) and torch.equal(torch.signbit(out), torch.signbit(want))
 
 
 @pytest.mark.parametrize("preset", ["int8_dynamic", "int4_weight_only"])

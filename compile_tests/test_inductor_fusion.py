@@ -132,3 +132,23 @@ def test_compile_caches_are_keyed_on_the_decompositions_source(tmp_path) -> None
     reference = copy / "kernels" / "reference.py"
     reference.write_text(reference.read_text() + "\n# one more line\n")
     assert inductor.numerics_key(copy) != inductor.numerics_key()
+
+
+def test_compile_caches_tell_quantizers_of_one_class_apart(tmp_path, monkeypatch) -> None:
+    """AOTAutograd's cache key holds a tensor subclass's metadata, where torch (2.13, 2.14) hashes
+    an opaque object by its type alone: an MXFP6 E3M2 weight got the graph compiled for an E2M3
+    one (the same class, uint8 payloads of one shape) and dequantized with the wrong element
+    format. `QuantizedTensor._stable_hash_for_caching` puts the quantizer's fields into the key."""
+    from tqcompile.tensor import quantize_usages
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold cache, then warm for the second
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 3
+    tensors = []
+    for fmt in (tq.Format.E2M3, tq.Format.E3M2):
+        qt = quantize_usages(x, None, tq.MXQuantizer(fmt), rowwise=True, columnwise=False, seed=None, group_name=None)
+        tensors.append(tq.deploy.MXPackedTensor.from_quantized(qt))
+    for t in tensors:
+        torch.compiler.reset()
+        assert torch.equal(torch.compile(lambda t: t.dequantize(), fullgraph=True)(t), t.dequantize()), t.quantizer
+    assert tensors[0]._stable_hash_for_caching() != tensors[1]._stable_hash_for_caching()
+    assert tensors[0]._stable_hash_for_caching() == tensors[0].detach()._stable_hash_for_caching()

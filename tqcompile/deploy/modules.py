@@ -34,6 +34,7 @@ from tqcompile.calibration.modules import (
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
 from tqcompile.deploy.int4_cuda import Int4PackedCUDATensor
 from tqcompile.deploy.kernels import int4_kernel_block, linear_kernel, packed_linear
+from tqcompile.deploy.mx_packed import MXPackedTensor, holds_e8m0_scales
 from tqcompile.deploy.packed import PackedModule
 from tqcompile.nn.experts import ExpertsRouting
 from tqcompile.ops import grouped_gemm as gops
@@ -55,7 +56,9 @@ class _LinearPacked(PackedModule):
         if self.tq_kernel == "dequantized":  # the fallback kept the dequantized weight
             y = F.linear(self.input_quantizer(x), self.weight, self.bias)
         else:
-            y = packed_linear(x, self.weight, self.bias, self.input_quantizer, self.tq_kernel, self._buffers.get("weight_kernel_scale"))
+            y = packed_linear(
+                x, self.weight, self.bias, self.input_quantizer, self.tq_kernel, self._buffers.get("weight_kernel_scale")
+            )
         return self.output_quantizer(y)
 
 
@@ -112,7 +115,9 @@ def _static_amax(tq, what: str) -> torch.Tensor | None:
     if tq.observer is not None:
         raise RuntimeError(f"tq.compress: {what} is still calibrating; compress after tq.calibrate returns")
     if tq.static_kind is not None and tq.amax is None:
-        raise RuntimeError(f"tq.compress: {what} has no calibrated weight amax; calibrate (tq.calibrate) or restore (tq.restore) it first")
+        raise RuntimeError(
+            f"tq.compress: {what} has no calibrated weight amax; calibrate (tq.calibrate) or restore (tq.restore) it first"
+        )
     return tq.amax
 
 
@@ -138,6 +143,12 @@ def _check_dense(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"tq.compress: {name} is on the meta device; load the weights first")
 
 
+def _compilable(qt: QuantizedTensor) -> QuantizedTensor:
+    """A packed weight dequantized per call, in the form inductor can generate that dequantization
+    from: an MX weight's E8M0 scales as their bits (`MXPackedTensor`)."""
+    return MXPackedTensor.from_quantized(qt) if type(qt) is QuantizedTensor and holds_e8m0_scales(qt) else qt
+
+
 def _pack_linear(name: str, module: nn.Module, fallback: str) -> None:
     slots = slots_of(module)
     w = module.weight.detach()
@@ -152,7 +163,7 @@ def _pack_linear(name: str, module: nn.Module, fallback: str) -> None:
     if kernel == "dequantize" and fallback == "dequantized":
         packed, kernel, why = qt.dequantize(), "dequantized", f"{why}; kept dequantized (fallback='dequantized')"
     else:
-        packed = qt
+        packed = _compilable(qt)
     module._parameters["weight"] = nn.Parameter(packed, requires_grad=False)
     if kernel == "int8pack_mm":  # the kernel's (N,) scales in the model's dtype (kernels.weight_only_mm)
         module.register_buffer("weight_kernel_scale", qt._scale_inv.reshape(-1).to(w.dtype))
@@ -176,9 +187,13 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> None:
             packed = GroupedQuantizedTensor(w.shape, q, w.dtype, None, _data=data, _scale_inv=scale_inv, _amax=amax)
         else:
             amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
-            packed = quantize_usages(w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
+            packed = quantize_usages(
+                w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax
+            )
         if fallback == "dequantized" and isinstance(packed, QuantizedTensor):
             packed = _dequantized_gemm_weight(packed)
+        elif isinstance(packed, QuantizedTensor):
+            packed = _compilable(packed)
         module._parameters[g.weight] = nn.Parameter(packed, requires_grad=False)
     # The packed weights are stored in the GEMM's (E, out, in) view, whatever the model stored.
     gemms = tuple(dataclasses.replace(g, transposed=False) for g in module.tq_experts_layout.gemms)
@@ -274,5 +289,9 @@ def deployed_layers(model: nn.Module) -> list[DeployedLayer]:
             for g in module.tq_experts_layout.gemms:
                 w = module._parameters[g.weight]
                 kernel = "dequantize" if isinstance(w, QuantizedTensor) else "dequantized"
-                rows.append(DeployedLayer(f"{name}.{g.weight}_gemm", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(w)))
+                rows.append(
+                    DeployedLayer(
+                        f"{name}.{g.weight}_gemm", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(w)
+                    )
+                )
     return rows

@@ -72,25 +72,26 @@ def _quantize(x, quantizer, amax, seed, flat_scale=False):
     return data, scale_inv.reshape(-1) if flat_scale else scale_inv
 
 
-def _dequantize_fusable(q) -> bool:
-    """Dequantize decomposes for the fusable layouts and for NVFP4's 1-D blocks (E2M1 codes, E4M3
+def _dequantize_fusable(q, scale_inv: torch.Tensor) -> bool:
+    """Dequantize decomposes for the fusable layouts, for NVFP4's 1-D blocks (E2M1 codes, E4M3
     block scales: C++ types inductor has; its E2M1 decode is arithmetic under compile,
-    `SmallFloatCodec.decode`). A deployed NVFP4 weight (`tq.compress`) is dequantized on every call:
-    measured on a (2816, 1024) weight, one thread, 12.3 ms opaque -> 2.6 ms decomposed. Its quantize
-    stays opaque (the transposed-operand tiling assert above; no Hadamard transform either way)."""
+    `SmallFloatCodec.decode`) and for MX blocks whose E8M0 scales come as their uint8 bits (a
+    deployed MX weight, `tqcompile.deploy.mx_packed`: an E8M0 buffer has no C++ type, the bits
+    decode arithmetically, `E8M0Codec.decode`). A deployed weight (`tq.compress`) is dequantized on
+    every call: measured on a (2816, 1024) NVFP4 weight, one thread, 12.3 ms opaque -> 2.6 ms
+    decomposed. Their quantize stays opaque (the transposed-operand tiling assert above; no
+    Hadamard transform either way)."""
     if _fusable(q):
         return True
-    gran = q.layout()[0]
-    return (
-        gran is Granularity.BLOCKWISE_1D
-        and q.element_format() is Format.E2M1
-        and q.scale_dtype() == torch.float8_e4m3fn
-        and not q.hadamard_transformed()
-    )
+    if q.layout()[0] is not Granularity.BLOCKWISE_1D or q.hadamard_transformed():
+        return False
+    nvfp4 = q.element_format() is Format.E2M1 and q.scale_dtype() == torch.float8_e4m3fn
+    mx_bits = q.scale_dtype() == torch.float8_e8m0fnu and scale_inv.dtype == torch.uint8
+    return nvfp4 or mx_bits
 
 
 def _dequantize(data, scale_inv, amax, quantizer, dtype):
-    if not (_dequantize_fusable(quantizer) and _on_cuda_only_int(data, quantizer)):  # no Triton dequantize kernel
+    if not (_dequantize_fusable(quantizer, scale_inv) and _on_cuda_only_int(data, quantizer)):  # no Triton dequantize kernel
         return NotImplemented
     return reference.dequantize(data, scale_inv, amax, quantizer, dtype)
 
