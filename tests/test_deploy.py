@@ -76,6 +76,37 @@ def test_int4_layout_inverts_the_kernel_packing(shape, fmt):
     assert torch.equal(int4_cpu.unpack(packed, q), payload)
 
 
+def _kernel_weight(t) -> torch.Tensor:
+    """The weight an INT4 kernel computes with, through tq's payload: its codes c times the
+    kernel's scales plus its zeros, in fp32 (what the packed tensors' `dequantize` reads off the
+    kernel's bytes instead)."""
+    q, k = t.quantizer, t.shape[1]
+    codec = q.element_format().codec
+    sz = t._scale_inv.float()  # (K / block, N, 2)
+    scale, zero = (sz[..., i].t().repeat_interleave(k // sz.shape[0], 1) for i in (0, 1))
+    return codec.decode(codec.unpack(t._payload())) * scale + zero
+
+
+@pytest.mark.parametrize("grid", [tq.IntGrid.SYMMETRIC, tq.IntGrid.ASYMMETRIC, tq.IntGrid.FULL])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_cpu_dequantize_reads_the_kernel_bytes(grid, dtype):
+    """`Int4PackedCPUTensor.dequantize` (read off the kernel's bytes) is the kernel's weight through
+    tq's payload, and the product the kernel computes (the prefill path uses it, `packed_linear`)."""
+    from tqcompile.tensor import quantize_usages
+
+    q = tq.IntQuantizer(tq.Format.INT4, Granularity.BLOCKWISE_1D, block_size=64, grid=grid)
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    qt = quantize_usages(w, None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=None)
+    t = int4_cpu.Int4PackedCPUTensor.from_quantized(qt, 64)
+    assert torch.equal(t.dequantize(torch.float32), _kernel_weight(t))
+    assert torch.equal(t.dequantize(), _kernel_weight(t).to(dtype))  # in the model's dtype: one rounding
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = torch._weight_int4pack_mm_for_cpu(x, t._data, 64, t._scale_inv)
+    # Two sums of the same products, each rounded to `dtype` once: within 2 units of its roundoff of sum |x||w|.
+    bound = (x.float().abs() @ t.dequantize(torch.float32).abs().t()) * 2 * torch.finfo(dtype).eps
+    assert bool(((x @ t.dequantize().t()).float() - want.float()).abs().le(bound).all())
+
+
 @pytest.mark.parametrize("grid", [tq.IntGrid.SYMMETRIC, tq.IntGrid.ASYMMETRIC])
 @pytest.mark.parametrize("shape, block", [((64, 128), 32), ((96, 256), 128), ((128, 96), 32)])
 def test_cuda_int4_layout_round_trips_and_dequantizes_on_any_device(shape, block, grid):
@@ -98,7 +129,7 @@ def test_cuda_int4_layout_round_trips_and_dequantizes_on_any_device(shape, block
     t = tq.deploy.Int4PackedCUDATensor(
         qt.shape, q, qt.orig_dtype, None, _data=words, _scale_inv=int4_cpu.scales_and_zeros(qt, block)
     )
-    assert torch.equal(t.dequantize(torch.float32), int4_cpu.Int4PackedCPUTensor.dequantize(t, torch.float32))
+    assert torch.equal(t.dequantize(torch.float32), _kernel_weight(t))
     buf = io.BytesIO()  # a state_dict of a deployed CUDA model loads with weights_only=True
     torch.save({"w": t}, buf)
     buf.seek(0)
@@ -157,20 +188,23 @@ def test_cuda_int4_kernel_takes_bfloat16_only():
 
 
 # --- one layer: the integer kernels' bound ----------------------------------------------------
+@pytest.mark.parametrize("tokens", [8, 160])  # 160: above the weight-only kernels' bound, a GEMM on the dequantized weight
 @pytest.mark.parametrize("preset", ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only"])
-def test_integer_kernels_are_within_rounding_of_the_exact_product(preset):
+def test_integer_kernels_are_within_rounding_of_the_exact_product(preset, tokens):
     """bf16: the deployed and the calibrated layer against the exact (fp64) product of the
     quantized operands, codes times fp32 scales. `_int_mm` sums the codes exactly, so only its
     bf16 output and the bias add round (bf16's unit roundoff, 2^-8, each): it is closer to the
     exact product than the calibrated layer, which rounds both operands to bf16 before its GEMM.
     The weight-only kernels take bf16 scales (each weight within 2^-9 relative of its fp32-scaled
     value, round to nearest) and round their bf16 output (2^-9 relative): within
-    2^-9 (sum |x||w| + |y|) of the exact product."""
+    2^-9 (sum |x||w| + |y|) of the exact product. Above their token bound (prefill) INT8 runs the
+    calibrated layer's own weight (bit for bit the calibrated layer) and INT4 the kernel's weight
+    rounded to bf16 (one more 2^-9 a weight: 2^-8 sum |x||w| + 2^-9 |y|)."""
     from tqcompile.tensor import quantize_usages
 
     torch.manual_seed(1)
     layer = nn.Sequential(nn.Linear(256, 128)).to(torch.bfloat16)
-    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    x = torch.randn(tokens, 256, dtype=torch.bfloat16)
     tq.calibrate(layer, getattr(tq.configs, preset)(), lambda m: m(x), progress=False)
     lin = layer[0]
 
@@ -193,11 +227,19 @@ def test_integer_kernels_are_within_rounding_of_the_exact_product(preset):
         xq, wq, b = exact_operand(x, lin.input_quantizer), exact_operand(lin.weight, lin.weight_quantizer), lin.bias.double()
         exact = xq @ wq.t() + b
         magnitude = xq.abs() @ wq.abs().t() + b.abs()
-        calibrated_err = (layer(x).double() - exact).abs()
+        calibrated = layer(x)
+        calibrated_err = (calibrated.double() - exact).abs()
         tq.compress(layer)
         assert lin.tq_kernel == CPU_KERNEL[preset]
-        deployed_err = (layer(x).double() - exact).abs()
+        deployed = layer(x)
+        deployed_err = (deployed.double() - exact).abs()
     assert bool((deployed_err <= 2.0**-7 * magnitude).all())
+    if tokens > 64 and preset == "int8_weight_only":
+        assert torch.equal(deployed, calibrated)
+        return
+    if tokens > 128 and preset == "int4_weight_only":
+        assert bool((deployed_err <= 2.0**-8 * magnitude + 2.0**-9 * exact.abs()).all())
+        return
     if lin.tq_kernel == "int_mm":
         assert bool((deployed_err <= 2.0**-8 * ((exact - b).abs() + exact.abs()) * (1 + 2.0**-7)).all())
     # Measured (this layer, seed 1, FULL grid): L2 error int_mm 0.042 / 0.043 against the calibrated
@@ -231,6 +273,33 @@ def test_every_preset_compresses_and_computes_as_calibrated(preset):
         assert torch.equal(out, ref)
     else:  # fp32 model: the kernels' other summation order and scale rounding
         assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["int8_weight_only", "int4_weight_only"])
+def test_weight_only_prefill_runs_a_gemm_on_the_dequantized_weight(preset, monkeypatch):
+    """Above the matrix-vector kernels' token bound (`kernels._WEIGHT_ONLY_MAX_M`: 64 INT8, 128
+    INT4 on the CPU) a layer runs F.linear on its dequantized weight: no kernel call, INT8 the
+    calibrated model's logits bit for bit, INT4 the kernel's (fp32 model: its scales are exact)."""
+    from tqcompile.deploy import kernels
+
+    calls = []
+    real = kernels.weight_only_mm
+    monkeypatch.setattr(kernels, "weight_only_mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    long_ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(3))
+    m = calibrated(preset)
+    with torch.no_grad():
+        ref = m(long_ids).logits
+        tq.compress(m)
+        out = m(long_ids).logits
+        assert calls == []
+        logits(m)  # 24 tokens: the kernel, once a layer
+        assert calls == [24] * 14
+        monkeypatch.setitem(kernels._WEIGHT_ONLY_MAX_M, ("cpu", CPU_KERNEL[preset]), 10**6)
+        by_kernel = m(long_ids).logits
+    if preset == "int8_weight_only":
+        assert torch.equal(out, ref)
+    else:
+        assert float((out - by_kernel).norm() / by_kernel.norm()) < 1e-5
 
 
 def test_int4_per_channel_runs_the_int4_kernel_as_blocks():

@@ -100,19 +100,15 @@ class Int4PackedCUDATensor(Int4PackedCPUTensor):
         quantizer, orig_dtype, group_name, not_gathered = meta
         return Int4PackedCUDATensor(outer_size, quantizer, orig_dtype, group_name, rowwise_not_gathered=not_gathered, **inner)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight the kernel computes with, ``(u - 8) * scale + zero`` of its unsigned codes
-        ``u`` and its scales and zeros, in fp32 and then `dtype` (default the weight's: bit for bit
-        the kernel's weight, tests/test_cuda.py). Read straight off the words' bytes (little-endian:
-        the high nibbles of v0..v3 in bytes 0-1, the low ones in bytes 2-3), one pass, no payload."""
+    def _unsigned_codes(self) -> torch.Tensor:
+        """The (N, K) unsigned codes ``u = c + 8`` (uint8) in row order, read straight off the
+        words' bytes (little-endian: the high nibbles of v0..v3 in bytes 0-1, the low ones in
+        bytes 2-3), one pass, no payload; `dequantize` (the CPU class's) computes
+        ``(u - 8) * scale + zero`` in fp32 from them: bit for bit the kernel's weight (tests/test_cuda.py)."""
         n, k = self.shape
         words = self._data
         nt, ks, _, half = words.shape
         b = words.contiguous().view(torch.uint8).reshape(*words.shape, 4)
         hi = torch.stack((b[..., 0] & 15, b[..., 0] >> 4, b[..., 1] & 15, b[..., 1] >> 4), -1)
         lo = torch.stack((b[..., 2] & 15, b[..., 2] >> 4, b[..., 3] & 15, b[..., 3] >> 4), -1)
-        u = torch.stack((hi, lo), -1).reshape(nt, ks, 8, 4, half, 2, 2, 2).permute(0, 2, 1, 4, 5, 6, 3, 7).reshape(n, k)
-        sz = self._scale_inv.float()  # (K / block, N, 2)
-        scale, zero = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)
-        w = (u.float() - 8).reshape(n, -1, self.block_size) * scale + zero
-        return w.reshape(n, k).to(dtype or self.orig_dtype)
+        return torch.stack((hi, lo), -1).reshape(nt, ks, 8, 4, half, 2, 2, 2).permute(0, 2, 1, 4, 5, 6, 3, 7).reshape(n, k)
