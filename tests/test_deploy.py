@@ -120,25 +120,17 @@ def test_cuda_int4_layout_round_trips_and_dequantizes_on_any_device(shape, block
     n, k = shape
     q = tq.IntQuantizer(tq.Format.INT4, Granularity.BLOCKWISE_1D, block_size=block, grid=grid)
     torch.manual_seed(n)
-    qt = quantize_usages(
-        torch.randn(n, k).to(torch.bfloat16), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=None
-    )
+    qt = quantize_usages(torch.randn(n, k).to(torch.bfloat16), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=None)
     words = int4_cuda.pack_words(int4_cuda._pairs(qt._data, q), int4_cuda.inner_k_tiles(k))
     assert words.shape == (n // 8, k // (16 * int4_cuda.inner_k_tiles(k)), 32, int4_cuda.inner_k_tiles(k) // 2)
     assert torch.equal(int4_cuda.unpack(words, q), qt._data)
-    t = tq.deploy.Int4PackedCUDATensor(
-        qt.shape, q, qt.orig_dtype, None, _data=words, _scale_inv=int4_cpu.scales_and_zeros(qt, block)
-    )
+    t = tq.deploy.Int4PackedCUDATensor(qt.shape, q, qt.orig_dtype, None, _data=words, _scale_inv=int4_cpu.scales_and_zeros(qt, block))
     assert torch.equal(t.dequantize(torch.float32), _kernel_weight(t))
     buf = io.BytesIO()  # a state_dict of a deployed CUDA model loads with weights_only=True
     torch.save({"w": t}, buf)
     buf.seek(0)
     back = torch.load(buf, weights_only=True)["w"]
-    assert (
-        type(back) is tq.deploy.Int4PackedCUDATensor
-        and torch.equal(back._data, words)
-        and torch.equal(back._scale_inv, t._scale_inv)
-    )
+    assert type(back) is tq.deploy.Int4PackedCUDATensor and torch.equal(back._data, words) and torch.equal(back._scale_inv, t._scale_inv)
 
 
 # --- the rule -------------------------------------------------------------------------------
@@ -211,16 +203,7 @@ def test_integer_kernels_are_within_rounding_of_the_exact_product(preset, tokens
     def exact_operand(t, tensor_quantizer):
         if not tensor_quantizer.enabled:
             return t.double()
-        qt = quantize_usages(
-            t,
-            None,
-            tensor_quantizer.quantizer,
-            rowwise=True,
-            columnwise=False,
-            seed=None,
-            group_name=None,
-            amax=tensor_quantizer.amax,
-        )
+        qt = quantize_usages(t, None, tensor_quantizer.quantizer, rowwise=True, columnwise=False, seed=None, group_name=None, amax=tensor_quantizer.amax)
         return qt.dequantize(torch.float32).double()  # codes times fp32 scales: exact in fp32
 
     with torch.no_grad():
@@ -387,9 +370,7 @@ def test_int4_kernel_tensor_refuses_what_it_cannot_do():
         w.detach().copy_(tq.quantize(torch.randn(w.shape), w.quantizer))
     # Its dequantize is the kernel's weight: codes times the kernel's (model dtype) scales.
     x = torch.randn(3, w.shape[1])
-    torch.testing.assert_close(
-        x @ w.dequantize().t(), torch._weight_int4pack_mm_for_cpu(x, w._data, 128, w._scale_inv), rtol=1e-5, atol=1e-5
-    )
+    torch.testing.assert_close(x @ w.dequantize().t(), torch._weight_int4pack_mm_for_cpu(x, w._data, 128, w._scale_inv), rtol=1e-5, atol=1e-5)
 
 
 def test_mx_weights_hold_their_scales_as_bits():
@@ -421,26 +402,13 @@ def test_mx_weights_hold_their_scales_as_bits():
 def moe(kind: str) -> nn.Module:
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            num_local_experts=4,
-            num_experts_per_tok=2,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
         )
     else:
         cfg = transformers.GptOssConfig(
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            head_dim=16,
+            hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
         )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -483,9 +451,7 @@ def test_load_exported_checkpoints_compress(preset, tmp_path):
     assert torch.equal(out, ref) if preset == "nvfp4" else float((out - ref).norm() / ref.norm()) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "preset, algorithm", [("int4_weight_only", "gptq"), ("int8", "smoothquant"), ("int4_weight_only", "awq")]
-)
+@pytest.mark.parametrize("preset, algorithm", [("int4_weight_only", "gptq"), ("int8", "smoothquant"), ("int4_weight_only", "awq")])
 def test_models_made_by_the_ptq_algorithms_compress(preset, algorithm):
     """GPTQ's rounded weights, SmoothQuant's and AWQ's folded scales: each packed layer computes
     what its calibrated layer computes on the same input (float32: the kernels' summation order

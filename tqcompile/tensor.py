@@ -59,14 +59,7 @@ class QuantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls,
-        shape,
-        quantizer: Quantizer,
-        orig_dtype: torch.dtype,
-        amax_group_name: str | None = None,
-        *,
-        rowwise_not_gathered=None,
-        **inner,
+        cls, shape, quantizer: Quantizer, orig_dtype: torch.dtype, amax_group_name: str | None = None, *, rowwise_not_gathered=None, **inner
     ):
         ref = inner.get("_data") if inner.get("_data") is not None else inner.get("_data_t")
         if ref is None:
@@ -243,9 +236,7 @@ def _to_copy(func, args, kwargs):
 def _transpose(func, args, kwargs):
     self = args[0]
     if self.dim() != 2 or (func is aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]):
-        raise NotImplementedError(
-            f"QuantizedTensor supports t()/transpose(0, 1) of 2-D tensors only; got {func} on shape {tuple(self.shape)}"
-        )
+        raise NotImplementedError(f"QuantizedTensor supports t()/transpose(0, 1) of 2-D tensors only; got {func} on shape {tuple(self.shape)}")
     inner = self._inner()
     swapped = {b: inner[a] for a, b in zip(_ROWWISE + _COLUMNWISE, _COLUMNWISE + _ROWWISE) if a in inner}
     q, shape = self.quantizer, (self.shape[1], self.shape[0])
@@ -308,9 +299,7 @@ def _slice(func, args, kwargs):
     start, end = rows.start, rows.start + len(rows)
     inner = self._inner()
     if "_data" in inner:
-        inner["_data"], inner["_scale_inv"] = _slice_payload(
-            inner["_data"], inner["_scale_inv"], self.quantizer, 0, start, end, self.shape[0]
-        )
+        inner["_data"], inner["_scale_inv"] = _slice_payload(inner["_data"], inner["_scale_inv"], self.quantizer, 0, start, end, self.shape[0])
     if "_data_t" in inner:
         # The columnwise payload is (K, R) with R = numel / K: dim 0 of a 1-D tensor is its K,
         # otherwise a row of dim 0 is `inner_rows` consecutive columns.
@@ -353,16 +342,12 @@ def _copy(func, args, kwargs):
         x = src.to(dst.orig_dtype) if src.dtype != dst.orig_dtype else src
         x_t = x.reshape(x.shape[:-1].numel(), x.shape[-1]).t() if dst.has_columnwise else None
         src = quantize_usages(
-            x,
-            x_t,
-            dst.quantizer,
-            rowwise=dst.has_rowwise,
-            columnwise=dst.has_columnwise,
-            seed=None,
-            group_name=dst.amax_group_name,
+            x, x_t, dst.quantizer, rowwise=dst.has_rowwise, columnwise=dst.has_columnwise, seed=None, group_name=dst.amax_group_name
         )
     if src.quantizer != dst.quantizer or set(src._inner()) != set(dst._inner()):
-        raise ValueError(f"copy_: source {src!r} does not match destination {dst!r}; quantizer and usages must be equal")
+        raise ValueError(
+            f"copy_: source {src!r} does not match destination {dst!r}; quantizer and usages must be equal"
+        )
     for name, t in dst._inner().items():
         t.copy_(getattr(src, name))
     return dst

@@ -10,17 +10,7 @@ from tqcompile.deploy.kernels import KERNELS, linear_kernel  # KERNELS, FALLBACK
 from tqcompile.deploy.modules import FALLBACKS, DeployedLayer, compress, deployed_layers
 from tqcompile.deploy.mx_packed import MXPackedTensor
 
-__all__ = [
-    "compress",
-    "deployed_layers",
-    "DeployedLayer",
-    "linear_kernel",
-    "Int4PackedCPUTensor",
-    "Int4PackedCUDATensor",
-    "MXPackedTensor",
-    "quantized_kv_cache",
-    "kv_cache_bytes",
-]
+__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "Int4PackedCPUTensor", "Int4PackedCUDATensor", "MXPackedTensor", "quantized_kv_cache", "kv_cache_bytes"]
 
 # The FP8 KV cache subclasses Hugging Face's cache classes: imported on first use, so that
 # tqcompile imports without transformers.

@@ -58,22 +58,13 @@ def scales_and_zeros(qt: QuantizedTensor, block: int) -> torch.Tensor:
     """The INT4 kernels' (K / block, N, 2) scales and zeros of `qt`'s (N, K) weight, in its dtype.
     The kernels (CPU and CUDA alike) compute ``(c + 8 - 8) * scale + zero``: an asymmetric unit's
     zero point z is ``zero = -z * scale``; one scale per row is repeated over the row's blocks."""
-    per_unit = (
-        qt._scale_inv if qt.quantizer.has_zero_point() else torch.stack((qt._scale_inv, torch.zeros_like(qt._scale_inv)), -1)
-    )
+    per_unit = qt._scale_inv if qt.quantizer.has_zero_point() else torch.stack((qt._scale_inv, torch.zeros_like(qt._scale_inv)), -1)
     scale, zero = per_unit[..., 0], -per_unit[..., 1] * per_unit[..., 0]
     sz = torch.stack((scale, zero), -1).repeat_interleave(qt.shape[1] // block // scale.shape[1], 1)
     return sz.transpose(0, 1).to(qt.orig_dtype).contiguous()
 
 
-_OPS = (
-    aten.detach.default,
-    aten.alias.default,
-    aten.clone.default,
-    aten.copy_.default,
-    aten._to_copy.default,
-    aten.is_pinned.default,
-)
+_OPS = (aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.default, aten._to_copy.default, aten.is_pinned.default)
 
 
 class Int4PackedCPUTensor(QuantizedTensor):
@@ -86,14 +77,7 @@ class Int4PackedCPUTensor(QuantizedTensor):
     def from_quantized(cls, qt: QuantizedTensor, block: int) -> Int4PackedCPUTensor:
         """`qt`'s (N, K) INT4 weight for the kernel's blocks of `block` (its own 1-D blocks, or,
         for one scale per row, the row's scale repeated over its K / block kernel blocks)."""
-        return cls(
-            qt.shape,
-            qt.quantizer,
-            qt.orig_dtype,
-            None,
-            _data=cls._pack(qt._data, qt.quantizer),
-            _scale_inv=scales_and_zeros(qt, block),
-        )
+        return cls(qt.shape, qt.quantizer, qt.orig_dtype, None, _data=cls._pack(qt._data, qt.quantizer), _scale_inv=scales_and_zeros(qt, block))
 
     @staticmethod
     def _pack(payload: torch.Tensor, q: Quantizer) -> torch.Tensor:
@@ -155,7 +139,5 @@ class Int4PackedCPUTensor(QuantizedTensor):
                 "model to the device and run tq.compress there"
             )
         if func is aten.copy_.default and not isinstance(args[1], cls):
-            raise NotImplementedError(
-                f"{name}.copy_ from {type(args[1]).__name__}: load a state_dict saved from a deployed model (tq.compress)"
-            )
+            raise NotImplementedError(f"{name}.copy_ from {type(args[1]).__name__}: load a state_dict saved from a deployed model (tq.compress)")
         return _HANDLERS[func](func, args, kwargs)

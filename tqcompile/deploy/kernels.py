@@ -99,13 +99,7 @@ def _int4_grain(q: Quantizer) -> str:
 def _int4_weight_only(weight_q: Quantizer, input_q: Quantizer | None) -> bool:
     gran, axis, _ = weight_q.layout()
     fmt = weight_q.element_format()
-    return (
-        fmt.is_int
-        and fmt.bits <= 4
-        and input_q is None
-        and axis == -1
-        and gran in (Granularity.BLOCKWISE_1D, Granularity.ROWWISE)
-    )
+    return fmt.is_int and fmt.bits <= 4 and input_q is None and axis == -1 and gran in (Granularity.BLOCKWISE_1D, Granularity.ROWWISE)
 
 
 def _int4_kernel(weight_q: Quantizer, n: int, k: int, device: str, dtype: torch.dtype) -> tuple[str, str]:
@@ -119,18 +113,12 @@ def _int4_kernel(weight_q: Quantizer, n: int, k: int, device: str, dtype: torch.
     n_mult = 64 if device == "cpu" else 8  # blocks are multiples of 32: CUDA's K % 32 holds with K % block
     if n % n_mult or k % block:
         return "dequantize", f"{name} weight of shape {(n, k)}: {where} wants N % {n_mult} == 0 and K % {block} == 0"
-    why = f"{name} weight-only, {_int4_grain(weight_q)}" + (
-        f" (as blocks of {block})" if weight_q.layout()[0] is Granularity.ROWWISE else ""
-    )
+    why = f"{name} weight-only, {_int4_grain(weight_q)}" + (f" (as blocks of {block})" if weight_q.layout()[0] is Granularity.ROWWISE else "")
     return "int4pack_mm", why + ("" if weight_q.element_format().bits == 4 else ": its codes in the INT4 kernel's 4 bits")
 
 
 def linear_kernel(
-    weight_q: Quantizer,
-    input_q: Quantizer | None,
-    shape: tuple[int, int],
-    device: torch.device | str,
-    dtype: torch.dtype = torch.bfloat16,
+    weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[int, int], device: torch.device | str, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[str, str]:
     """(kernel, why) for a linear layer of (N, K) weight `shape` quantized by `weight_q`, whose
     input is quantized by `input_q` (None: weight-only), on `device`, in the model's `dtype`
@@ -214,17 +202,7 @@ def packed_linear(
         y = (acc.float() * xq._scale_inv.reshape(-1, 1) * weight._scale_inv.reshape(1, n)).to(x.dtype)
     elif kernel == "scaled_mm":
         xq = _quantized_input(x2, input_quantizer)
-        y = ops.gemm_tn(
-            xq._data,
-            xq._scale_inv,
-            xq._amax,
-            xq.quantizer,
-            weight._data,
-            weight._scale_inv,
-            weight._amax,
-            weight.quantizer,
-            x.dtype,
-        )
+        y = ops.gemm_tn(xq._data, xq._scale_inv, xq._amax, xq.quantizer, weight._data, weight._scale_inv, weight._amax, weight.quantizer, x.dtype)
     else:
         raise ValueError(f"packed_linear: kernel={kernel!r} is not one of {KERNELS}")
     if bias is not None:

@@ -56,9 +56,7 @@ class _LinearPacked(PackedModule):
         if self.tq_kernel == "dequantized":  # the fallback kept the dequantized weight
             y = F.linear(self.input_quantizer(x), self.weight, self.bias)
         else:
-            y = packed_linear(
-                x, self.weight, self.bias, self.input_quantizer, self.tq_kernel, self._buffers.get("weight_kernel_scale")
-            )
+            y = packed_linear(x, self.weight, self.bias, self.input_quantizer, self.tq_kernel, self._buffers.get("weight_kernel_scale"))
         return self.output_quantizer(y)
 
 
@@ -115,9 +113,7 @@ def _static_amax(tq, what: str) -> torch.Tensor | None:
     if tq.observer is not None:
         raise RuntimeError(f"tq.compress: {what} is still calibrating; compress after tq.calibrate returns")
     if tq.static_kind is not None and tq.amax is None:
-        raise RuntimeError(
-            f"tq.compress: {what} has no calibrated weight amax; calibrate (tq.calibrate) or restore (tq.restore) it first"
-        )
+        raise RuntimeError(f"tq.compress: {what} has no calibrated weight amax; calibrate (tq.calibrate) or restore (tq.restore) it first")
     return tq.amax
 
 
@@ -187,9 +183,7 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> None:
             packed = GroupedQuantizedTensor(w.shape, q, w.dtype, None, _data=data, _scale_inv=scale_inv, _amax=amax)
         else:
             amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
-            packed = quantize_usages(
-                w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax
-            )
+            packed = quantize_usages(w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
         if fallback == "dequantized" and isinstance(packed, QuantizedTensor):
             packed = _dequantized_gemm_weight(packed)
         elif isinstance(packed, QuantizedTensor):
@@ -289,9 +283,5 @@ def deployed_layers(model: nn.Module) -> list[DeployedLayer]:
             for g in module.tq_experts_layout.gemms:
                 w = module._parameters[g.weight]
                 kernel = "dequantize" if isinstance(w, QuantizedTensor) else "dequantized"
-                rows.append(
-                    DeployedLayer(
-                        f"{name}.{g.weight}_gemm", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(w)
-                    )
-                )
+                rows.append(DeployedLayer(f"{name}.{g.weight}_gemm", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(w)))
     return rows
