@@ -156,16 +156,26 @@ def _time_us(fn) -> float:
     return 1e3 * do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-# Rows that run a preset's packed weight through the dequantize path (`tq_kernel` set by hand),
-# to compare tinygemm with F.linear on the dequantized weight.
-DEQUANTIZE_PATH = {"int4_weight_only g128, dequantize path": "int4_weight_only g128"}
+# Rows that run a preset's packed weight through another kernel than the rule's (`tq_kernel` set
+# by hand): tinygemm against F.linear on the dequantized weight, and the Triton INT8 weight-only
+# kernel (which the rule does not choose until these rows have timed it) against the rule's
+# dequantize path.
+FORCED = {
+    "int4_weight_only g128, dequantize path": ("int4_weight_only g128", "dequantize"),
+    "int8_weight_only, Triton": ("int8_weight_only", "int8_triton"),
+}
 
 
 def _layer(n: int, k: int, preset: str | None):
-    if preset in DEQUANTIZE_PATH:
-        layer, row, err = _layer(n, k, DEQUANTIZE_PATH[preset])
-        layer[0].tq_kernel = "dequantize"
-        return layer, dataclasses.replace(row, kernel="dequantize (forced)"), err
+    if preset in FORCED:
+        base, kernel = FORCED[preset]
+        layer, row, _ = _layer(n, k, base)
+        layer[0].tq_kernel = kernel
+        x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():  # the error against the weight the calibrated layer computes with
+            ref = torch.nn.functional.linear(x, layer[0].weight.dequantize())
+            err = float((layer(x).float() - ref.float()).norm() / ref.float().norm())
+        return layer, dataclasses.replace(row, kernel=f"{kernel} (forced; error vs F.linear on its dequantized weight)"), err
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(k, n, bias=False)).to("cuda", torch.bfloat16)
     if preset is None:
@@ -208,7 +218,7 @@ def layers(ms: list[int], compiled: bool, profile: bool = False) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for si, (n, k) in enumerate(SHAPES):
         base = None
-        for preset in (None, *PRESETS, *DEQUANTIZE_PATH):
+        for preset in (None, *PRESETS, *FORCED):
             name = preset or "bf16"
             try:
                 layer, row, err = _layer(n, k, preset)

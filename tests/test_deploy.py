@@ -285,6 +285,34 @@ def test_weight_only_prefill_runs_a_gemm_on_the_dequantized_weight(preset, monke
         assert float((out - by_kernel).norm() / by_kernel.norm()) < 1e-5
 
 
+def test_int8_triton_kernel_runs_the_weights_codes_and_fp32_scales():
+    """``int8_triton`` (set by hand: the rule does not choose it until timed on a GPU) runs
+    ``tqcompile::int8_weight_only_mm`` on the weight's codes and fp32 scales: here its reference
+    (CPU), within fp32 summation and one bf16 rounding of the exact product, traced fullgraph as
+    one op; tests/test_triton_kernels.py checks the Triton kernel itself."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(1)
+    layer = nn.Sequential(nn.Linear(256, 128, bias=False)).to(torch.bfloat16)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    tq.calibrate(layer, tq.configs.int8_weight_only(), lambda m: m(x), progress=False)
+    tq.compress(layer)
+    lin = layer[0]
+    assert lin.tq_kernel == "int8pack_mm"
+    lin.tq_kernel = "int8_triton"
+    with torch.no_grad():
+        y = layer(x)
+        w = lin.weight
+        exact = (x.double() @ w._data.double().t()) * w._scale_inv.reshape(-1).double()
+        magnitude = (x.double().abs() @ w._data.double().abs().t()) * w._scale_inv.reshape(-1).double()
+        graphs = []
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or gm.forward), fullgraph=True)(x)
+    assert bool(((y.double() - exact).abs() <= 257 * 2.0**-24 * magnitude + 2.0**-8 * exact.abs()).all())
+    assert torch.equal(compiled, y)
+    assert any("tqcompile.int8_weight_only_mm" in str(n.target) for n in graphs[0].graph.nodes)
+
+
 def test_int4_per_channel_runs_the_int4_kernel_as_blocks():
     """One scale per output channel is the kernel's blocks each carrying the row's scale: the
     largest kernel block dividing K (128 for the attention, 256 for down_proj here)."""

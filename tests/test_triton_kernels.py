@@ -95,7 +95,9 @@ def kernels():
     from tqcompile.kernels.triton import quantize
 
     assert type(quantize._fp8_rows_kernel).__name__ == "InterpretedFunction"
-    return types.SimpleNamespace(quantize=quantize, cast=triton.jit(_cast_to_float8))
+    from tqcompile.kernels.triton import int8_mm
+
+    return types.SimpleNamespace(quantize=quantize, int8_mm=int8_mm, cast=triton.jit(_cast_to_float8))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,6 +517,78 @@ def test_ptx_compiles_with_exactly_rounded_float_ops(case):
     assert not any(op.startswith(("mul.f32", "add.f32", "sub.f32")) for op in float_ops), float_ops  # contractible forms
     assert not any("e4m3" in op or "e5m2" in op for op in float_ops), float_ops  # no hardware float8 cast
     assert ("div.rn.f64" in float_ops) == divides, float_ops
+
+
+# ---------------------------------------------------------------------------------------------
+# The INT8 weight-only GEMM (not bit-exact: a sum whose order is the kernel's; bounded instead)
+# ---------------------------------------------------------------------------------------------
+def int8_weight_only_bound(x, codes, scale, y):
+    """|y - exact| and its bound for ``(x @ codesᵀ) * scale`` summed in fp32 in any order, scaled in
+    fp32 and rounded to y's dtype: (K + 1) units of fp32 roundoff of sum |x||c| s, plus half an
+    ulp of y's dtype of |exact| (and of that fp32 error)."""
+    exact = (x.double() @ codes.double().t()) * scale.double()
+    magnitude = (x.double().abs() @ codes.double().abs().t()) * scale.double()
+    fp32 = (x.shape[1] + 1) * 2.0**-24 * magnitude
+    half_ulp = torch.finfo(y.dtype).eps / 2
+    return (y.double() - exact).abs(), fp32 * (1 + half_ulp) + half_ulp * exact.abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("m, n, k", [(1, 128, 256), (5, 96, 200), (16, 64, 128), (17, 70, 300), (40, 64, 130)])
+def test_int8_weight_only_kernel_is_within_fp32_summation_of_the_exact_product(kernels, m, n, k, dtype):
+    """Tiles cut by M, N and K (masked lanes), one and several BLOCK_M tiles, every input dtype;
+    every code of int8 (-128 included) and scales of different magnitudes."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    codes[0, :] = -128
+    scale = torch.rand(n, generator=g) * torch.logspace(-4, 1, n)
+    y = kernels.int8_mm.int8_weight_only_mm(x, codes, scale)
+    assert y.dtype == dtype and y.shape == (m, n)
+    err, bound = int8_weight_only_bound(x, codes, scale, y)
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@compiled
+def test_int8_weight_only_kernel_runs_on_tensor_cores():
+    """Compiled for sm_90 without a GPU: a bf16 layer's dot is TF32 tensor-core MMA (exact for
+    bf16 values and int8 codes, the kernel's docstring)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tqcompile.kernels.triton import int8_mm
+
+    fn = int8_mm._int8_weight_only_kernel
+    constexprs = {"DTYPE": tl.bfloat16, "IN_BF16": True, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+    pointers = {"x_ptr": "*i16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*i16"}  # bf16 as its bits
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
+    try:
+        ptx = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    except Exception as e:
+        if "backend" in str(e).lower():  # a Triton build without the NVIDIA backend
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        raise
+    ops = set()
+    for line in ptx.splitlines():
+        words = line.split()
+        if words and not words[0].startswith("//"):
+            ops.add(words[1] if words[0].startswith("@") and len(words) > 1 else words[0])
+    assert any(op.startswith("mma.") and ".tf32" in op for op in ops), sorted(op for op in ops if "mma" in op)
+
+
+@compiled
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_cuda_int8_weight_only_op_is_within_its_bound(m):
+    import tqcompile.ops as tq_ops
+
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 4096, generator=g).to(torch.bfloat16)
+    codes = torch.randint(-128, 128, (1024, 4096), generator=g, dtype=torch.int8)
+    scale = torch.rand(1024, generator=g) * 0.01
+    y = tq_ops.int8_weight_only_mm(x.cuda(), codes.cuda(), scale.cuda()).cpu()
+    err, bound = int8_weight_only_bound(x, codes, scale, y)
+    assert bool((err <= bound).all()), float((err / bound).max())
 
 
 # ---------------------------------------------------------------------------------------------

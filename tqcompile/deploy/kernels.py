@@ -21,6 +21,11 @@ One rule, `linear_kernel`, chooses per layer from the weight's quantizer, the in
 The weight-only kernels are matrix-vector kernels: a call of more tokens than the M bound
 (prefill) runs ``F.linear`` on the dequantized weight (`_WEIGHT_ONLY_MAX_M`).
 
+``int8_triton`` (CUDA, INT8 weight-only: ``tqcompile::int8_weight_only_mm``, a Triton kernel that
+reads the int8 weight, `tqcompile.kernels.triton.int8_mm`) is built and tested (interpreted, and
+compiled to sm_90 PTX) but not yet timed on a GPU, so the rule does not choose it: a layer runs it
+where its ``tq_kernel`` is set to it (benchmarks/bench_cuda_kernels.py does, to time it).
+
 ``dequantize`` computes exactly what the calibrated model computes (the same quantize and
 dequantize ops): bit for bit. The integer kernels sum in another order and with other scale
 roundings (``_weight_int8pack_mm`` and the INT4 kernel take their scales in the activation dtype;
@@ -45,7 +50,7 @@ from tqcompile.quantizers import Granularity, Quantizer
 
 __all__ = ["KERNELS", "linear_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS", "int4_kernel_block"]
 
-KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "dequantize")
+KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "int8_triton", "dequantize")
 # The most tokens a call of CUDA's INT4 kernel takes; more run the dequantized weight through
 # F.linear (tensor cores). Measured on an H200 (torch 2.11, a 14336 x 4096 bf16 layer): tinygemm
 # 22-24 us at M = 1 (1.7-1.9x bf16's 40 us), 72 us at M = 16, 1036 us at M = 256 and 16.4 ms at
@@ -60,6 +65,7 @@ _CUDA_INT4_MAX_M = 256
 # 4.2-4.8 ms against 3.6-4.6 ms (1.5x faster at 256). The INT8 weight dequantizes exactly as the
 # calibrated model's (bit for bit its layer); the INT4 one is the kernel's weight.
 _WEIGHT_ONLY_MAX_M = {("cpu", "int8pack_mm"): 64, ("cpu", "int4pack_mm"): 128, ("cuda", "int4pack_mm"): _CUDA_INT4_MAX_M}
+_WEIGHT_ONLY = ("int8pack_mm", "int4pack_mm", "int8_triton")
 # Group sizes the CPU INT4 kernel takes (torch 2.11-2.14: 32, 64, 128, 256).
 INT4_BLOCKS = (32, 64, 128, 256)
 
@@ -148,8 +154,9 @@ def linear_kernel(
 
 def weight_only_mm(x: torch.Tensor, weight, kernel_scale: torch.Tensor | None, kernel: str) -> torch.Tensor:
     """``x @ W.T`` of the (M, K) activations and an INT8 (``int8pack_mm``: (N, K) int8 codes, with
-    `kernel_scale` the (N,) scales in the activation dtype) or INT4 (``int4pack_mm``: an
-    `Int4PackedCPUTensor`, the kernel's bytes and scales) weight.
+    `kernel_scale` the (N,) scales in the activation dtype; ``int8_triton``: the weight's own
+    codes and fp32 scales) or INT4 (``int4pack_mm``: an `Int4PackedCPUTensor`, the kernel's bytes
+    and scales) weight.
 
     The scales are stored as the kernels read them (`tq.compress`): inductor's lowering of
     ``_weight_int8pack_mm`` asserts when its scales are a fused pointwise node, such as a cast
@@ -165,7 +172,9 @@ def weight_only_mm(x: torch.Tensor, weight, kernel_scale: torch.Tensor | None, k
     if kernel == "int4pack_mm":
         s = weight._scale_inv if weight._scale_inv.dtype == x.dtype else weight._scale_inv.to(x.dtype)
         return torch._weight_int4pack_mm_for_cpu(x, weight._data, weight.block_size, s)
-    raise ValueError(f"weight_only_mm: kernel={kernel!r}; allowed: 'int8pack_mm', 'int4pack_mm'")
+    if kernel == "int8_triton":  # the codes and the calibrated fp32 scales, as the weight holds them
+        return ops.int8_weight_only_mm(x, weight._data, weight._scale_inv.reshape(-1))
+    raise ValueError(f"weight_only_mm: kernel={kernel!r}; allowed: {_WEIGHT_ONLY}")
 
 
 def _quantized_input(x2: torch.Tensor, input_quantizer):
@@ -188,7 +197,7 @@ def packed_linear(
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if kernel in ("int8pack_mm", "int4pack_mm"):
+    if kernel in _WEIGHT_ONLY:
         most = _WEIGHT_ONLY_MAX_M.get((x.device.type, kernel))
         if most is not None and x2.shape[0] > most:  # a GEMM wins above (tensor cores on CUDA)
             return F.linear(x, weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -4,7 +4,7 @@ the numerics."""
 
 from tqcompile.ops.codec import amax, dequantize, quantize, quantize_columnwise
 from tqcompile.ops.errors import raise_error, shape_str, static_shape
-from tqcompile.ops.gemm import amax_history_update, gemm_tn
+from tqcompile.ops.gemm import amax_history_update, gemm_tn, int8_weight_only_mm
 from tqcompile.ops.grouped_gemm import (
     grouped_amax,
     grouped_dequantize,

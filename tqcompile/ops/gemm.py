@@ -125,3 +125,24 @@ def amax_history_update(history: torch.Tensor, amax: torch.Tensor) -> torch.Tens
 @amax_history_update.register_fake
 def _amax_history_update_fake(history, amax):
     return history.new_empty(history.shape[1:])
+
+
+@torch.library.custom_op("tqcompile::int8_weight_only_mm", mutates_args=())
+def int8_weight_only_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(x @ codesᵀ) * scale`` in x's dtype: (M, K) activations, an (N, K) int8 weight's codes,
+    its (N,) fp32 scales. The exact products summed in fp32, scaled in fp32, rounded once; on CUDA
+    a Triton kernel that reads the int8 weight (`tqcompile.kernels.triton.int8_mm`), elsewhere
+    this reference."""
+    return ((x.float() @ codes.float().t()) * scale).to(x.dtype)
+
+
+@int8_weight_only_mm.register_fake
+def _int8_weight_only_mm_fake(x, codes, scale):
+    return x.new_empty((x.shape[0], codes.shape[0]))
+
+
+@int8_weight_only_mm.register_kernel("cuda")
+def _int8_weight_only_mm_cuda(x, codes, scale):
+    from tqcompile.kernels.triton.int8_mm import int8_weight_only_mm as triton_kernel  # Triton only where CUDA runs
+
+    return triton_kernel(x, codes, scale)
