@@ -13,9 +13,10 @@ fp32 ("ieee") dot. (Not bf16 operands: Triton's interpreter, which runs the CPU 
 bf16 ``tl.dot`` and an int8-to-bf16 cast wrongly, measured with Triton 3.9; TF32 costs nothing at
 the few tokens a decode step has, where the weight's bytes set the time. For the same reason bf16
 activations and outputs travel as their int16 bits: widened by a shift, rounded to nearest even by
-integer arithmetic, as the quantize kernels do, `_numerics`.) So its result is the exact product of the activations and the codes, summed in fp32,
-times the calibrated model's fp32 scales, rounded once to the output dtype: within
-K * 2**-24 of sum |x||w| plus half an ulp of the output (tests/test_triton_kernels.py, interpreted).
+integer arithmetic, as the quantize kernels do, `_numerics`.) So its result is the exact product
+of the activations and the codes, summed in fp32, times the calibrated model's fp32 scales,
+rounded once to the output dtype: within (K + 1) * 2**-24 of sum |x||w| plus half an ulp of the
+output (tests/test_triton_kernels.py, interpreted).
 
 It is written for decode (a few tokens a call: one BLOCK_M tile of 16 rows covers them; tl.dot
 takes 16 rows at least) and stays correct for any M. Not yet measured on a GPU: the deployment
