@@ -481,15 +481,33 @@ _PTX_CASES = {
 
 
 @compiled
+def _sm90_ptx_ops(fn, signature: dict, constexprs: dict, options: dict | None = None) -> set[str]:
+    """The PTX instructions of the Triton kernel `fn` compiled for sm_90 (no GPU needed); skips the
+    test where this Triton build has no NVIDIA backend."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    try:
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options or {}).asm["ptx"]
+    except Exception as e:
+        if "backend" in str(e).lower():  # a Triton build without the NVIDIA backend
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        raise
+    ops = set()
+    for line in ptx.splitlines():
+        words = line.split()
+        if words and not words[0].startswith("//"):
+            ops.add(words[1] if words[0].startswith("@") and len(words) > 1 else words[0])
+    return ops
+
+
 @pytest.mark.slow  # a few seconds per kernel on a 2-core machine, until Triton's cache has it
 @pytest.mark.parametrize("case", list(_PTX_CASES))
 def test_ptx_compiles_with_exactly_rounded_float_ops(case):
     """Compile the kernel for sm_90 (no GPU needed) and read its PTX: no flush-to-zero, no
     approximate division or reciprocal, no fused or contractible multiply-add, no hardware float8
     conversion; divisions are IEEE fp64 (`div.rn.f64`)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tqcompile.kernels.triton import quantize as triton_quantize
 
     name, x_type, constexprs, divides = _PTX_CASES[case]
@@ -497,21 +515,8 @@ def test_ptx_compiles_with_exactly_rounded_float_ops(case):
     signature = {
         a: "constexpr" if a in constexprs else _ARG_TYPES.get(a, x_type if a == "x_ptr" else "i32") for a in fn.arg_names
     }
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    try:
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
-    except Exception as e:
-        if "backend" in str(e).lower():  # a Triton build without the NVIDIA backend
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        raise
-    float_ops = set()
-    for line in ptx.splitlines():
-        words = line.split()
-        if not words:
-            continue
-        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-        if ".f32" in op or ".f64" in op or op.startswith(("fma", "rcp", "div", "sqrt")):
-            float_ops.add(op)
+    ops = _sm90_ptx_ops(fn, signature, constexprs, {"enable_fp_fusion": False})
+    float_ops = {op for op in ops if ".f32" in op or ".f64" in op or op.startswith(("fma", "rcp", "div", "sqrt"))}
     assert not any(".ftz" in op for op in float_ops), float_ops  # subnormals must survive
     assert not any(op.startswith(("fma", "rcp", "div.full", "div.approx")) for op in float_ops), float_ops
     assert not any(op.startswith(("mul.f32", "add.f32", "sub.f32")) for op in float_ops), float_ops  # contractible forms
@@ -553,26 +558,13 @@ def test_int8_weight_only_kernel_is_within_fp32_summation_of_the_exact_product(k
 def test_int8_weight_only_kernel_runs_on_tensor_cores():
     """Compiled for sm_90 without a GPU: a bf16 layer's dot is TF32 tensor-core MMA (exact for
     bf16 values and int8 codes, the kernel's docstring)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tqcompile.kernels.triton import int8_mm
 
     fn = int8_mm._int8_weight_only_kernel
     constexprs = {"DTYPE": tl.bfloat16, "IN_BF16": True, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
     pointers = {"x_ptr": "*i16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*i16"}  # bf16 as its bits
     signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
-    try:
-        ptx = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    except Exception as e:
-        if "backend" in str(e).lower():  # a Triton build without the NVIDIA backend
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        raise
-    ops = set()
-    for line in ptx.splitlines():
-        words = line.split()
-        if words and not words[0].startswith("//"):
-            ops.add(words[1] if words[0].startswith("@") and len(words) > 1 else words[0])
+    ops = _sm90_ptx_ops(fn, signature, constexprs)
     assert any(op.startswith("mma.") and ".tf32" in op for op in ops), sorted(op for op in ops if "mma" in op)
 
 
