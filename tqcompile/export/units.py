@@ -115,8 +115,9 @@ def _export_unit(spec: LayerSpec) -> ExportUnit | None:
 def _check_not_transposed(name: str, transposed: bool) -> None:
     if transposed:
         raise ExportError(
-            f"tq.export: experts GEMM {name!r} stores its weight transposed, (experts, in, out) (GPT-OSS); no serving "
-            "format holds quantized experts that way: keep these experts in high precision "
+            f"tq.export: experts GEMM {name!r} stores its weight transposed, (experts, in, out) (GPT-OSS); compressed-tensors "
+            "and ModelOpt checkpoints hold no quantized experts that way (GPT-OSS's own MXFP4 layout, `*_blocks` / "
+            "`*_scales` with quant_method 'mxfp4', does; tq.export does not write it): keep these experts in high precision "
             f"(QuantRule.disable({name.rsplit('.', 1)[0]!r}) in the config, or a tq.convert filter_fn)"
         )
 
