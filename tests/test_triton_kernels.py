@@ -480,7 +480,6 @@ _PTX_CASES = {
 }
 
 
-@compiled
 def _sm90_ptx_ops(fn, signature: dict, constexprs: dict, options: dict | None = None) -> set[str]:
     """The PTX instructions of the Triton kernel `fn` compiled for sm_90 (no GPU needed); skips the
     test where this Triton build has no NVIDIA backend."""
@@ -502,6 +501,7 @@ def _sm90_ptx_ops(fn, signature: dict, constexprs: dict, options: dict | None = 
     return ops
 
 
+@compiled
 @pytest.mark.slow  # a few seconds per kernel on a 2-core machine, until Triton's cache has it
 @pytest.mark.parametrize("case", list(_PTX_CASES))
 def test_ptx_compiles_with_exactly_rounded_float_ops(case):
