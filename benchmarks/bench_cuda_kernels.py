@@ -167,27 +167,25 @@ FORCED = {
 
 
 def _layer(n: int, k: int, preset: str | None):
-    if preset in FORCED:
-        base, kernel = FORCED[preset]
-        layer, row, _ = _layer(n, k, base)
-        layer[0].tq_kernel = kernel
-        x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():  # the error against the weight the calibrated layer computes with
-            ref = torch.nn.functional.linear(x, layer[0].weight.dequantize())
-            err = float((layer(x).float() - ref.float()).norm() / ref.float().norm())
-        return layer, dataclasses.replace(row, kernel=f"{kernel} (forced; error vs F.linear on its dequantized weight)"), err
+    """(layer, its deployed row, relative error against the calibrated layer) of `preset`; a
+    `FORCED` row runs its base preset's packed weight through the kernel it names."""
+    base, forced = FORCED.get(preset, (preset, None))
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(k, n, bias=False)).to("cuda", torch.bfloat16)
-    if preset is None:
+    if base is None:
         return layer, None, None
     x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
-    tq.calibrate(layer, PRESETS[preset](), lambda mod: mod(x), progress=False)
+    tq.calibrate(layer, PRESETS[base](), lambda mod: mod(x), progress=False)
     with torch.no_grad():
         ref = layer(x)
     tq.compress(layer)
+    row = tq.deploy.deployed_layers(layer)[0]
+    if forced is not None:
+        layer[0].tq_kernel = forced
+        row = dataclasses.replace(row, kernel=f"{forced} (forced)")
     with torch.no_grad():
         err = float((layer(x).float() - ref.float()).norm() / ref.float().norm())
-    return layer, tq.deploy.deployed_layers(layer)[0], err
+    return layer, row, err
 
 
 def _bytes(layer) -> int:
