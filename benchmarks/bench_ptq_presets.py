@@ -22,7 +22,7 @@ from torch import nn
 import tqcompile as tq
 from tqcompile.testing import sqnr
 
-PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4")
+PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "mxfp4_weight_only", "nvfp4")
 # The integer presets again on the other grids: SYMMETRIC is ModelOpt's (docs/ptq.md compares the two).
 GRIDS = {
     f"{name} {grid.name}": (lambda name=name, grid=grid: getattr(tq.configs, name)(grid=grid))

@@ -102,7 +102,7 @@ def test_a_third_format_is_one_class_and_one_registration(tmp_path, tiny_format)
 
 
 def test_format_names_come_from_the_registry(tmp_path, tiny_format):
-    with pytest.raises(ValueError, match=r"allowed: 'compressed-tensors', 'modelopt', 'tiny-fp8'"):
+    with pytest.raises(ValueError, match=r"allowed: 'compressed-tensors', 'modelopt', 'mxfp4', 'tiny-fp8'"):
         tq.export(tiny_llama(), str(tmp_path / "x"), format="gguf")
 
 

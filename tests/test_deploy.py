@@ -26,7 +26,7 @@ from tqcompile.quantizers import Granularity
 
 transformers = pytest.importorskip("transformers")
 
-PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4")
+PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "mxfp4_weight_only", "nvfp4")
 # Which kernel each preset's linear layers get on the CPU (tqcompile.deploy.kernels).
 CPU_KERNEL = {
     "int8": "int_mm",
@@ -36,6 +36,7 @@ CPU_KERNEL = {
     "fp8": "dequantize",
     "mxfp8": "dequantize",
     "mxfp6": "dequantize",
+    "mxfp4_weight_only": "dequantize",
     "nvfp4": "dequantize",
 }
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -250,7 +251,8 @@ def test_every_preset_compresses_and_computes_as_calibrated(preset):
     assert isinstance(w, tq.QuantizedTensor) and not w.requires_grad
     # Packed bytes: the payload at the format's width, plus the scales.
     payload = w._data.numel() * w._data.element_size()
-    assert payload == w.shape.numel() * tq.Format.INT4.bits // 8 if preset == "int4_weight_only" else payload > 0
+    four_bits = preset in ("int4_weight_only", "mxfp4_weight_only")
+    assert payload == w.shape.numel() * tq.Format.INT4.bits // 8 if four_bits else payload > 0
     out = logits(m)
     if CPU_KERNEL[preset] == "dequantize":
         assert torch.equal(out, ref)

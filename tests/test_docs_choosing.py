@@ -14,7 +14,7 @@ import tqcompile as tq
 from tqcompile.quantizers import Float8Quantizer, Granularity, MXQuantizer, NVFP4Quantizer, Quantizer
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "choosing.md"
-PTQ_PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4")  # every QuantConfig constructor in tq.configs
+PTQ_PRESETS = ("int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "fp8", "mxfp8", "mxfp6", "mxfp4_weight_only", "nvfp4")  # every QuantConfig constructor in tq.configs
 # Not rows of their own: the general form of int4/int8_weight_only, and a rule (not a config) to add to any preset.
 NOT_PRESETS = ("int_weight_only", "fp8_kv_cache", "default_disabled")
 

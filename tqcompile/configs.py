@@ -1,6 +1,6 @@
 """Named PTQ/QAT configs: `tq.configs.int8()`, `int8_dynamic()`, `int8_weight_only()`, `int4_weight_only()`,
 `int_weight_only(bits)`, `fp8()`,
-`mxfp8()`, `mxfp6()`, `nvfp4()`.
+`mxfp8()`, `mxfp6()`, `mxfp4_weight_only()`, `nvfp4()`.
 
 Each is a `QuantConfig` whose first rule enables quantizers on the GEMM layers (Linear,
 Conv1d/2d/3d, `tq.nn.GroupedLinear`, and each GEMM of a MoE experts module with fused 3-D weights,
@@ -36,7 +36,7 @@ from tqcompile.formats import Format
 from tqcompile.nn.grouped import GroupedLinear
 from tqcompile.quantizers import Float8Quantizer, Granularity, IntGrid, IntQuantizer, MXQuantizer, NVFP4Quantizer
 
-__all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int_weight_only", "fp8", "mxfp8", "mxfp6", "nvfp4", "fp8_kv_cache", "default_disabled", "GEMM_LAYERS"]
+__all__ = ["int8", "int8_dynamic", "int8_weight_only", "int4_weight_only", "int_weight_only", "fp8", "mxfp8", "mxfp6", "mxfp4_weight_only", "nvfp4", "fp8_kv_cache", "default_disabled", "GEMM_LAYERS"]
 
 GEMM_LAYERS: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, GroupedLinear, ExpertGemmQuantizers)
 NORMS: tuple[type, ...] = (
@@ -177,6 +177,26 @@ def mxfp6(*, ste: str = "clipped") -> QuantConfig:
     """MXFP6 weights (E2M3 elements, a power-of-two scale per 32-block) with MXFP8 (E4M3) activations,
     compressed-tensors' MXFP6A8: no static amax. Input dims must be multiples of 32."""
     return _preset(MXQuantizer(Format.E4M3), MXQuantizer(Format.E2M3), ste)
+
+
+def mxfp4_weight_only(*, experts_only: bool = False, ste: str = "clipped") -> QuantConfig:
+    """MXFP4 weights (E2M1 elements, a power-of-two E8M0 scale per 32-block along the input dim;
+    compressed-tensors' mxfp4-pack-quantized) with activations in high precision: no static amax.
+    Input dims must be multiples of 32. `experts_only`: only the MoE experts' GEMMs, every
+    nn.Linear in high precision, as OpenAI released GPT-OSS; such a gpt_oss model exports in its
+    own format, ``tq.export(model, path, format="mxfp4")``, which vLLM and transformers load.
+
+    Example:
+        >>> tq.calibrate(gpt_oss, tq.configs.mxfp4_weight_only(experts_only=True), None)   # no data needed
+        >>> tq.export(gpt_oss, "gpt-oss-mxfp4", format="mxfp4")
+    """
+    if experts_only not in (True, False):
+        raise ValueError(f"tq.configs.mxfp4_weight_only: experts_only={experts_only!r} is not allowed; allowed: True, False")
+    config = _preset(False, MXQuantizer(Format.E2M1), ste)
+    if experts_only:
+        gemms = tuple(t for t in GEMM_LAYERS if t is not ExpertGemmQuantizers)
+        config = config.with_rules(QuantRule.disable(module_types=gemms, must_match=False))
+    return config
 
 
 def nvfp4(*, ste: str = "clipped") -> QuantConfig:

@@ -1,10 +1,10 @@
-"""Export for serving: `tq.export` writes compressed-tensors or ModelOpt checkpoints that vLLM,
+"""Export for serving: `tq.export` writes compressed-tensors or ModelOpt checkpoints (and GPT-OSS's own MXFP4) that vLLM,
 SGLang, TensorRT-LLM and transformers load, and `tq.load_exported` reads them back as calibrated
 models (see docs/serving.md).
 
 A checkpoint format is a class (`checkpoint_format.CheckpointFormat`) that owns writing and reading
 its scheme; `FORMATS` maps `tq.export`'s ``format=`` names to the registered instances
-(`compressed_tensors.CompressedTensors`, `modelopt.ModelOpt`). docs/adding_a_checkpoint_format.md
+(`compressed_tensors.CompressedTensors`, `modelopt.ModelOpt`, `gpt_oss_mxfp4.GptOssMxfp4`). docs/adding_a_checkpoint_format.md
 says how to add one.
 
 This package is also the export itself: ``tq.export(model, path, ...)`` calls
@@ -19,7 +19,7 @@ import types
 
 # isort: off
 # Importing a format registers it; this order is the one `FORMATS` and the loader's messages list them in.
-from tqcompile.export import compressed_tensors, modelopt  # noqa: F401
+from tqcompile.export import compressed_tensors, modelopt, gpt_oss_mxfp4  # noqa: F401
 # isort: on
 from tqcompile.export.load import load_exported
 from tqcompile.export.units import ExportError

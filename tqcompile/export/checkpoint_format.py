@@ -12,7 +12,8 @@ What a format implements:
   holds), `layer_tensors` (the tensors of one layer of that scheme), `quantization_config` (config.json's
   ``quantization_config``), and where needed `extra_files`, `check_targets`;
 - reading: `scheme_resolver` (how the checkpoint's config names each layer's scheme, as tq
-  quantizers), `check_config`;
+  quantizers), `check_config`, and where its tensors are not named ``<layer>.<tensor>`` per expert,
+  `reading_view` (the checkpoint as the shared loader reads it);
 - facts, as class attributes: `NAME`, `QUANT_METHOD`, `CONFIG_FILE` (a file of its own that stands
   in for config.json's ``quantization_config``), `IGNORE_EXPERTS`, where it keeps global scales
   (`WEIGHT_GLOBAL_SCALE`, `INPUT_GLOBAL_SCALE`), and the tensor names a layer may hold (`LAYER_TENSORS`).
@@ -33,7 +34,7 @@ from torch import nn
 
 from tqcompile.export.families import global_scale
 from tqcompile.export.scales import GlobalScaleTensor
-from tqcompile.export.units import ExportError, ExportUnit, QuantizedWeight
+from tqcompile.export.units import ExportError, ExportUnit, QuantizedWeight, check_not_transposed
 from tqcompile.kernels.reference import tensor_scale_inv
 from tqcompile.quantizers import Quantizer
 
@@ -85,6 +86,20 @@ class CheckpointFormat(abc.ABC):
         """{file name: JSON content} written beside config.json (none by default)."""
         return {}
 
+    def tensor_name(self, prefix: str, local: str) -> str:
+        """The checkpoint name of a layer's tensor `local` (a `layer_tensors` key) under the layer `prefix`."""
+        return f"{prefix}.{local}"
+
+    def check_experts_layout(self, model: nn.Module, units: list[ExportUnit]) -> None:
+        """Refuse quantized experts this format cannot lay out, before any scheme is asked: by
+        default experts are written per expert as (out, in), so experts stored transposed (GPT-OSS)
+        and experts a Hugging Face model saves as one tensor of every expert are refused."""
+        from tqcompile.export.checks import check_fused_experts
+
+        for u in units:
+            check_not_transposed(u, self.NAME)
+        check_fused_experts(model, units)
+
     def check_targets(self, extra_targets: list[str]) -> None:
         """Refuse quantized layers an engine does not build as a linear layer, if the format cannot name them."""
         return None  # by default the format names them
@@ -126,6 +141,12 @@ class CheckpointFormat(abc.ABC):
     def check_config(self, qc: dict, path: str) -> None:
         """Refuse a ``quantization_config`` of this format that tq cannot load (before any layer)."""
         return None  # by default every layer's scheme is checked as it is resolved
+
+    def reading_view(self, ckpt, model: nn.Module, where: dict) -> tuple[object, dict]:
+        """(the checkpoint, the placements) as the shared loader reads them: layers named
+        ``<prefix>.<tensor>``, experts per expert. `ckpt` is the `CheckpointFiles`, `where` the
+        model's placements (`names.placements`); a format whose layout differs returns views of both."""
+        return ckpt, where
 
     @abc.abstractmethod
     def scheme_resolver(self, qc: dict, model: nn.Module) -> Callable[[str], LayerScheme]:

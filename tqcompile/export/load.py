@@ -1,4 +1,4 @@
-"""`tq.load_exported`: a compressed-tensors or ModelOpt checkpoint back into a tq calibrated model,
+"""`tq.load_exported`: a compressed-tensors, ModelOpt or GPT-OSS MXFP4 checkpoint back into a tq calibrated model,
 to evaluate it as the engines would, fine-tune it (QAT) or export it again.
 
 The inverse of `tq.export`, step by step:
@@ -151,7 +151,7 @@ def _tensor_amax(parts: list[tuple[Placement, torch.Tensor]], experts: int | Non
 
 def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Load a compressed-tensors or ModelOpt checkpoint (written by `tq.export`, llmcompressor,
-    ModelOpt, ...) as a tq calibrated model: the fake-quantized modules `tq.calibrate` makes, whose
+    ModelOpt, ...), or a GPT-OSS one in its own MXFP4 format, as a tq calibrated model: the fake-quantized modules `tq.calibrate` makes, whose
     float weights are the checkpoint's weights as tq dequantizes them and whose quantizers and
     static amaxes reproduce the checkpoint's scheme and scales. It evaluates as the checkpoint
     quantizes, fine-tunes with QAT, and exports again (`tq.export`) to the same payloads.
@@ -189,9 +189,9 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
         model = _build_model(path, config, dtype)
     _check_float(model)
     resolve = fmt.scheme_resolver(qc, model)
-    quantized = set(ckpt.layer_prefixes())
     state = _untied_state(model)
-    where = placements(model, {k: v.shape for k, v in state.items()})
+    ckpt, where = fmt.reading_view(ckpt, model, placements(model, {k: v.shape for k, v in state.items()}))
+    quantized = set(ckpt.layer_prefixes())
     units_by_key = _unit_by_weight_key(model)
     kv_q = fmt.kv_cache_quantizer(qc)
     kv, kv_inexact = _kv_cache(model, ckpt, kv_q)
@@ -209,9 +209,9 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
                     put_placed(target, ckpt.get(p.name), p, value.dim() == 3, 1, mismatch, p.name)
                 continue
             name, unit_module = units_by_key[key]
-            dst = torch.empty(value.shape, dtype=torch.float32)
+            dst = torch.empty(_gemm_shape(value.shape, unit_module), dtype=torch.float32)
             units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, counts)))
-            target.copy_(dst)
+            target.copy_(dst.transpose(1, 2) if _transposed(unit_module) else dst)
     if mismatch:
         raise ExportError(_mismatch_message(model, [], [], mismatch))
     # One scale rule for the model, as the scales show: MX blocks that only RCEIL gives, in any
@@ -225,6 +225,15 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
         notes.append(f"NVFP4 layers that engines fuse into one GEMM hold different global scales ({differed}); the model gives them one amax, the max of theirs")
     _warn(notes, counts, path)
     return model
+
+
+def _transposed(unit_module: nn.Module) -> bool:
+    """An experts GEMM stored (E, in, out) (GPT-OSS): checkpoints hold it in the GEMM view, (E, out, in)."""
+    return isinstance(unit_module, ExpertGemmQuantizers) and unit_module.gemm.transposed
+
+
+def _gemm_shape(shape: torch.Size, unit_module: nn.Module) -> torch.Size:
+    return torch.Size((shape[0], shape[2], shape[1])) if _transposed(unit_module) else shape
 
 
 def _layer_shape(ckpt: CheckpointFiles, prefix: str, scheme: LayerScheme) -> tuple[int, ...] | None:
@@ -275,7 +284,7 @@ def _precheck(
             else:
                 missing.append(p.name)
                 continue
-            want = _slot_shape(value.shape, p, value.dim() == 3)
+            want = _slot_shape(_gemm_shape(value.shape, units_by_key[key][1]) if q_ps else value.shape, p, value.dim() == 3)
             if got != want:
                 mismatch.append(f"{p.name}: checkpoint {got}, model {want}")
     ckpt.refuse_strays({p.name for ps in where.values() for p in ps})
@@ -301,8 +310,6 @@ def _check_layers(ckpt: CheckpointFiles, state: dict, where: dict, quantized: se
             continue
         name, unit_module = units_by_key[key]
         experts = isinstance(unit_module, ExpertGemmQuantizers) or kind_of(unit_module)[0] == "GroupedLinear"
-        if isinstance(unit_module, ExpertGemmQuantizers) and unit_module.gemm.transposed:
-            raise ExportError(f"tq.load_exported: experts GEMM {name!r} stores its weight transposed (GPT-OSS); tq exports and loads none such")
         first = None
         for p in ps:
             prefix = _prefix(p.name)

@@ -28,7 +28,7 @@ from tqcompile.ops import amax as tensor_amax
 from tqcompile.quantizers import Quantizer
 from tqcompile.surgery.specs import LayerSpec, layer_specs
 
-__all__ = ["ExportError", "ExportUnit", "QuantizedWeight", "collect_units", "quantize_unit", "full_tensor"]
+__all__ = ["ExportError", "ExportUnit", "QuantizedWeight", "collect_units", "quantize_unit", "full_tensor", "check_not_transposed"]
 
 
 class ExportError(ValueError):
@@ -66,6 +66,7 @@ class ExportUnit:
     input_amax: torch.Tensor | None
     experts: bool
     source: str  # "calibrated" or "recipe <name>", for the report
+    transposed: bool = False  # experts stored (E, in, out) (GPT-OSS): the GEMM view is the weight transposed
 
 
 @dataclasses.dataclass
@@ -105,20 +106,20 @@ def _export_unit(spec: LayerSpec) -> ExportUnit | None:
             f"tq.export: layer {name!r} quantizes its input but not its weight; serving formats need a quantized "
             "weight wherever the input is quantized: enable its weight quantizer or disable the layer"
         )
-    _check_not_transposed(name, spec.transposed)
     iq = None if i is None else i.quantizer
     iamax = None if i is None or i.amax is None else i.amax.detach().float()
     wamax = None if w.amax is None else w.amax.detach().float()
-    return ExportUnit(name, spec.weight_key, spec.bias_key, w.quantizer, wamax, iq, iamax, spec.experts, spec.source)
+    return ExportUnit(name, spec.weight_key, spec.bias_key, w.quantizer, wamax, iq, iamax, spec.experts, spec.source, spec.transposed)
 
 
-def _check_not_transposed(name: str, transposed: bool) -> None:
-    if transposed:
+def check_not_transposed(unit: ExportUnit, format_name: str) -> None:
+    """Refuse experts stored transposed, (E, in, out), in a format that holds experts per expert as (out, in)."""
+    if unit.transposed:
         raise ExportError(
-            f"tq.export: experts GEMM {name!r} stores its weight transposed, (experts, in, out) (GPT-OSS); compressed-tensors "
-            "and ModelOpt checkpoints hold no quantized experts that way (GPT-OSS's own MXFP4 layout, `*_blocks` / "
-            "`*_scales` with quant_method 'mxfp4', does; tq.export does not write it): keep these experts in high precision "
-            f"(QuantRule.disable({name.rsplit('.', 1)[0]!r}) in the config, or a tq.convert filter_fn)"
+            f"tq.export: experts GEMM {unit.name!r} stores its weight transposed, (experts, in, out) (GPT-OSS); {format_name} "
+            "checkpoints hold no quantized experts that way. GPT-OSS's own MXFP4 layout does: quantize the experts with "
+            "tq.configs.mxfp4_weight_only(experts_only=True) and export with format='mxfp4'; or keep these experts in high "
+            f"precision (QuantRule.disable({unit.name.rsplit('.', 1)[0]!r}) in the config, or a tq.convert filter_fn)"
         )
 
 
@@ -134,8 +135,7 @@ def _recipe_unit(spec: LayerSpec) -> ExportUnit:
         # An NVFP4 activation's global scale is static in every serving format, and training
         # computed it from each input: without a calibrated amax, the weights export alone.
         iq, src = None, src + "; activations 16-bit: calibrate an NVFP4 input amax (tq.calibrate) for W4A4"
-    _check_not_transposed(spec.name, spec.transposed)
-    return ExportUnit(spec.name, spec.weight_key, spec.bias_key, spec.weight.quantizer, None, iq, None, spec.experts, src)
+    return ExportUnit(spec.name, spec.weight_key, spec.bias_key, spec.weight.quantizer, None, iq, None, spec.experts, src, spec.transposed)
 
 
 def collect_units(model: nn.Module) -> list[ExportUnit]:

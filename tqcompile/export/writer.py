@@ -17,7 +17,6 @@ from tqcompile.export.checks import (
     ExportWarning,
     check_experts,
     check_fused,
-    check_fused_experts,
     check_scales,
     extra_targets,
     shared_global_amax,
@@ -218,7 +217,8 @@ def export(
             recipe's weight format, activations dynamic). Layers kept in high precision are
             listed in the format's ``ignore`` / ``exclude_modules`` and carry no scales.
         path: a new or empty directory (`overwrite=True` replaces a checkpoint there).
-        format: "compressed-tensors" (vLLM, SGLang, transformers) or "modelopt" (vLLM, TensorRT-LLM).
+        format: "compressed-tensors" (vLLM, SGLang, transformers), "modelopt" (vLLM, TensorRT-LLM) or
+            "mxfp4" (GPT-OSS's own format: its MoE experts in MXFP4, nothing else quantized; vLLM, transformers).
         dtype: the dtype of the tensors kept in high precision (norms, embeddings, biases, the
             head); None keeps the model's. Scales keep the dtypes the format defines.
         max_shard_size: bytes, or a string such as "5GB".
@@ -270,12 +270,12 @@ def export(
         )
     if not units:
         fmt.check_kv_cache_only()
+    fmt.check_experts_layout(model, units)
     schemes = {u.name: fmt.scheme_of(u) for u in units}  # refuses what the format cannot express, before writing
     if kv[0] is not None:
         fmt.kv_cache_config({"quantization": {}}, {}, kv[0])  # refuses a KV scheme the format cannot hold, before writing
     fmt.check_targets(extra_targets(model, units))
     check_fused(model, schemes)
-    check_fused_experts(model, units)
     if collective not in (None, True, False):
         raise ValueError(f"tq.export: collective={collective!r} is not allowed; allowed: None (collective under torch.distributed), True, False")
     sharded = checkpoint is None and _sharded_device(model) is not None
@@ -415,6 +415,8 @@ class _Pass:
 
     def quantized_weight(self, key: str, value: torch.Tensor, unit: ExportUnit) -> None:
         w = self.read(key, value)
+        if unit.transposed:  # experts stored (E, in, out): quantized in the GEMM view, (E, out, in)
+            w = w.transpose(-1, -2)
         scheme = self.schemes[unit.name]
         tensors = self.fmt.layer_tensors(unit, scheme, quantize_unit(unit, w, self.shared.get(unit.name)), w.shape[-2], w.shape[-1])
         check_scales(unit, tensors)  # the same tensors on every rank: every rank raises
@@ -425,7 +427,7 @@ class _Pass:
             for local, (t, kind) in tensors.items():
                 if kind == "shape" and p.rows is not None:
                     t = torch.tensor([p.rows.numel(), w.shape[-1]], dtype=torch.int64)
-                self.emit(f"{prefix}.{local}", _split(t, kind, p, unit.experts, unit.name))
+                self.emit(self.fmt.tensor_name(prefix, local), _split(t, kind, p, unit.experts, unit.name))
         self.rows.append(ExportRow(unit.name, scheme.describe(), unit.source, len(self.where[key])))
 
     def final(self, fn):
@@ -503,8 +505,10 @@ def _ignored(model: nn.Module, where: dict, quantized: set[str], experts_as: str
             for p in where.get(f"{name}.{g.weight}", ()):
                 if _prefix(p.name) in quantized:
                     continue
-                if experts_as == "per_expert" or p.expert is None:
+                if experts_as == "per_expert":
                     names.add(_prefix(p.name))
+                elif p.expert is None:  # one tensor of every expert (GPT-OSS): "...mlp.experts.gate_up_proj" -> "...mlp.experts"
+                    names.add(p.name.removesuffix(f".{g.weight}"))
                 else:  # "model.layers.1.mlp.experts.1.gate_proj.weight" -> "model.layers.1.mlp.experts"
                     names.add(re.sub(rf"\.{p.expert}\.[^.]+\.weight$", "", p.name))
     return sorted(n for n in names if n not in quantized)
