@@ -234,3 +234,20 @@ def test_qat_then_export_to_the_released_format(tmp_path):
     assert not torch.equal(model.model.layers[0].mlp.experts.gate_up_proj.detach(), before)
     tq.export(model, str(tmp_path / "m"), format="mxfp4")
     assert torch.equal(_logits(tq.load_exported(str(tmp_path / "m"))), _logits(model))
+
+
+def test_quantize_checkpoint_streams_a_float_gpt_oss_to_the_same_files(tmp_path):
+    """`tq.quantize_checkpoint` (one tensor in memory at a time: a bf16 gpt-oss-120b is 240 GB)
+    writes the bytes `tq.calibrate` + `tq.export` write."""
+    from safetensors.torch import load_file
+
+    model = tiny_hf_moe("gpt_oss")
+    model.save_pretrained(str(tmp_path / "float"))
+    config = tq.configs.mxfp4_weight_only(experts_only=True)
+    tq.quantize_checkpoint(str(tmp_path / "float"), str(tmp_path / "q"), config, format="mxfp4", progress=False)
+    tq.calibrate(model, config, None, progress=False)
+    tq.export(model, str(tmp_path / "e"), format="mxfp4")
+    a, b = load_file(str(tmp_path / "q" / "model.safetensors")), load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    qc = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("q", "e")]
+    assert qc[0] == qc[1]
