@@ -164,6 +164,12 @@ def test_what_the_format_cannot_hold_is_refused_before_writing(tmp_path):
     tq.calibrate(model, tq.configs.mxfp8().with_rules(tq.calibration.QuantRule.disable(module_types=(torch.nn.Linear,))), None, progress=False)
     with pytest.raises(ExportError, match=r"has no GPT-OSS mxfp4 form"):
         tq.export(model, str(tmp_path / "a"), format="mxfp4")
+    # A quantized KV cache: vLLM's GPT-OSS MXFP4 config reads no KV scales.
+    model = tiny_hf_moe("gpt_oss")
+    cfg = tq.configs.mxfp4_weight_only(experts_only=True).with_rules(tq.configs.fp8_kv_cache())
+    tq.calibrate(model, cfg, lambda m: m(IDS), progress=False)
+    with pytest.raises(ExportError, match=r"GPT-OSS's mxfp4 format holds no KV-cache scales"):
+        tq.export(model, str(tmp_path / "a"), format="mxfp4")
     # Not a GPT-OSS model.
     mixtral = tiny_hf_moe("mixtral")
     tq.calibrate(mixtral, tq.configs.mxfp4_weight_only(experts_only=True), None, progress=False)

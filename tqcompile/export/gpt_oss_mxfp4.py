@@ -132,6 +132,13 @@ class GptOssMxfp4(CheckpointFormat):
         """``{"quant_method": "mxfp4", "modules_to_not_convert": ignore}``, as gpt-oss checkpoints hold it."""
         return {"quant_method": self.QUANT_METHOD, "modules_to_not_convert": sorted(ignore)}
 
+    def kv_cache_config(self, qconfig: dict, files: dict[str, dict], q: Quantizer) -> None:
+        raise ExportError(
+            "tq.export: the model quantizes its KV cache, but GPT-OSS's mxfp4 format holds no KV-cache scales (vLLM's GPT-OSS "
+            "MXFP4 config reads none; with kv_cache_dtype='fp8' it runs with scales 1.0): calibrate without "
+            "tq.configs.fp8_kv_cache() for this format, or keep the experts in 16 bits and use format='compressed-tensors'"
+        )
+
     # --- reading ---------------------------------------------------------------------------
     def scheme_resolver(self, qc: dict, model: nn.Module) -> Callable[[str], LayerScheme]:
         scheme = LayerScheme(MXQuantizer(Format.E2M1), None, False, "mxfp4 (GPT-OSS)")
