@@ -43,7 +43,7 @@ import tqcompile as tq
 TYPES = (
     "llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3_text,phi3,phi,gpt_neox,falcon,olmo2,granite,stablelm,starcoder2,"
     "cohere,opt,bloom,smollm3,glm4,exaone4,olmo3,seed_oss,apertus,arcee,hunyuan_v1_dense,lfm2,ernie4_5,helium,bitnet,"
-    "qwen2_moe,qwen3_moe,olmoe,phimoe,mixtral,deepseek_v3,glm4_moe,hunyuan_v1_moe,flex_olmo,minimax,granitemoe,gpt2"
+    "qwen2_moe,qwen3_moe,olmoe,phimoe,mixtral,deepseek_v3,glm4_moe,hunyuan_v1_moe,flex_olmo,minimax,granitemoe,gpt_oss,gpt2"
 )
 SIZES = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -64,7 +64,7 @@ EXTRA = {  # what a model type names differently, or needs to build this small
     "gemma3_text": dict(sliding_window=8),
     "mistral": dict(sliding_window=8),
 }  # fmt: skip
-MOE_TYPES = {"qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "mixtral", "deepseek_v3", "glm4_moe", "hunyuan_v1_moe", "flex_olmo", "minimax", "granitemoe"}
+MOE_TYPES = {"qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "mixtral", "deepseek_v3", "glm4_moe", "hunyuan_v1_moe", "flex_olmo", "minimax", "granitemoe", "gpt_oss"}
 EAGER_ONLY = {"gemma2", "mpt"}  # transformers refuses sdpa for these
 PRESETS = {
     "int8_dynamic+kv": lambda: tq.configs.int8_dynamic().with_rules(tq.configs.fp8_kv_cache()),
@@ -74,7 +74,10 @@ PRESETS = {
     "int8": tq.configs.int8,
     "mxfp8": tq.configs.mxfp8,
     "int4_g32_asym": lambda: tq.configs.int4_weight_only(32, grid=tq.IntGrid.ASYMMETRIC),
+    "mxfp4_experts": lambda: tq.configs.mxfp4_weight_only(experts_only=True),
 }
+# GPT-OSS's MXFP4 experts export in its own format; everything else in compressed-tensors.
+GPT_OSS_FORMATS = {"mxfp4_experts": "mxfp4"}
 
 
 def build(model_type: str, sizes: dict = SIZES, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -104,7 +107,8 @@ def run_one(base: torch.nn.Module, preset: str, ids: torch.Tensor, batches: list
             ref, cal = base(ids).logits, model(ids).logits
         stage = "export"
         with tempfile.TemporaryDirectory() as d:
-            tq.export(model, d)
+            gpt_oss = base.config.model_type == "gpt_oss"
+            tq.export(model, d, format=GPT_OSS_FORMATS.get(preset, "compressed-tensors") if gpt_oss else "compressed-tensors")
             stage = "load_exported"
             with torch.no_grad():
                 loaded = (tq.load_exported(d, dtype=cal.dtype)(ids).logits - cal).abs().max().item()
