@@ -165,7 +165,9 @@ class _PerExpertView:
         self.base, self.path, self.strays = ckpt, ckpt.path, ckpt.strays
         self.entries = dict(ckpt.entries)
         self._virtual: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # name -> (stored tensor, expert, shape)
-        self._last: tuple[str, torch.Tensor] | None = None  # one stored tensor at a time
+        # The stored tensors of one experts GEMM (its blocks and scales): the loader reads them expert by
+        # expert, alternating between the two, and each is read from the file once.
+        self._held: tuple[str, dict[str, torch.Tensor]] = ("", {})
 
     def add(self, gemm: str) -> int:
         """Read ``<gemm>_blocks`` / ``<gemm>_scales`` per expert; returns the number of experts."""
@@ -204,9 +206,13 @@ class _PerExpertView:
         if name not in self._virtual:
             return self.base.get(name) if name in self.entries else None
         stored, e, shape = self._virtual[name]
-        if self._last is None or self._last[0] != stored:
-            self._last = (stored, self.base.get(stored))
-        return self._last[1][e].reshape(shape)
+        gemm = stored.rsplit("_", 1)[0]
+        if self._held[0] != gemm:
+            self._held = (gemm, {})
+        held = self._held[1]
+        if stored not in held:
+            held[stored] = self.base.get(stored)
+        return held[stored][e].reshape(shape)
 
     def layer_prefixes(self) -> list[str]:
         return sorted(k[: -len(".weight_scale")] for k in self.entries if k.endswith(".weight_scale"))
