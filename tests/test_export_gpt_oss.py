@@ -257,3 +257,18 @@ def test_quantize_checkpoint_streams_a_float_gpt_oss_to_the_same_files(tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     qc = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("q", "e")]
     assert qc[0] == qc[1]
+
+
+def test_loading_reads_each_stored_experts_tensor_once_a_pass(tmp_path, monkeypatch):
+    """The loader reads a GEMM expert by expert, alternating between its blocks and scales; a stored
+    tensor (a GB for one of gpt-oss-120b's GEMMs) is read once for the checks and once to fill the
+    model, not once per expert."""
+    from tqcompile.export.files import CheckpointFiles
+
+    tq.export(_quantized_gpt_oss(num_experts=8), str(tmp_path / "m"), format="mxfp4")
+    reads = []
+    real = CheckpointFiles.get
+    monkeypatch.setattr(CheckpointFiles, "get", lambda self, name: reads.append(name) or real(self, name))
+    tq.load_exported(str(tmp_path / "m"))
+    stored = [n for n in reads if n.endswith(("_blocks", "_scales"))]
+    assert len(set(stored)) == 8 and all(stored.count(n) <= 2 for n in set(stored)), stored
