@@ -1,11 +1,11 @@
-"""Export for serving: `tq.export` writes compressed-tensors or ModelOpt checkpoints (and GPT-OSS's own MXFP4) that vLLM,
-SGLang, TensorRT-LLM and transformers load, and `tq.load_exported` reads them back as calibrated
-models (see docs/serving.md).
+"""Export for serving: `tq.export` writes compressed-tensors or ModelOpt checkpoints (and GPT-OSS's
+own MXFP4 format) that vLLM, SGLang, TensorRT-LLM and transformers load, and `tq.load_exported`
+reads them back as calibrated models (see docs/serving.md).
 
 A checkpoint format is a class (`checkpoint_format.CheckpointFormat`) that owns writing and reading
 its scheme; `FORMATS` maps `tq.export`'s ``format=`` names to the registered instances
-(`compressed_tensors.CompressedTensors`, `modelopt.ModelOpt`, `gpt_oss_mxfp4.GptOssMxfp4`). docs/adding_a_checkpoint_format.md
-says how to add one.
+(`compressed_tensors.CompressedTensors`, `modelopt.ModelOpt`, `gpt_oss_mxfp4.GptOssMxfp4`).
+docs/adding_a_checkpoint_format.md says how to add one.
 
 This package is also the export itself: ``tq.export(model, path, ...)`` calls
 `tqcompile.export.export` (the function; `tqcompile.export.writer` holds it). So

@@ -1,5 +1,5 @@
-"""`tq.load_exported`: a compressed-tensors, ModelOpt or GPT-OSS MXFP4 checkpoint back into a tq calibrated model,
-to evaluate it as the engines would, fine-tune it (QAT) or export it again.
+"""`tq.load_exported`: a compressed-tensors, ModelOpt or GPT-OSS MXFP4 checkpoint back into a tq
+calibrated model, to evaluate it as the engines would, fine-tune it (QAT) or export it again.
 
 The inverse of `tq.export`, step by step:
 
@@ -151,7 +151,8 @@ def _tensor_amax(parts: list[tuple[Placement, torch.Tensor]], experts: int | Non
 
 def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Load a compressed-tensors or ModelOpt checkpoint (written by `tq.export`, llmcompressor,
-    ModelOpt, ...), or a GPT-OSS one in its own MXFP4 format, as a tq calibrated model: the fake-quantized modules `tq.calibrate` makes, whose
+    ModelOpt, ...), or a GPT-OSS one in its own MXFP4 format (as released, or `tq.export`'s), as a
+    tq calibrated model: the fake-quantized modules `tq.calibrate` makes, whose
     float weights are the checkpoint's weights as tq dequantizes them and whose quantizers and
     static amaxes reproduce the checkpoint's scheme and scales. It evaluates as the checkpoint
     quantizes, fine-tunes with QAT, and exports again (`tq.export`) to the same payloads.
