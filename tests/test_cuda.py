@@ -35,6 +35,7 @@ CUDA_KERNEL = {
     "fp8": "scaled_mm",
     "mxfp8": "dequantize",
     "mxfp6": "dequantize",
+    "mxfp4_weight_only": "dequantize",
     "nvfp4": "dequantize",
 }
 # 2 x 16 tokens: M = 32 > 16 (CUDA's _int_mm) and a multiple of 16 (_scaled_mm).
