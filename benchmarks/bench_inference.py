@@ -20,6 +20,7 @@ torchao rows need torchao (0.18 measured): int8 weight-only, int8 dynamic-activa
 int4 weight-only g128 (its CPU layout).
 
     python benchmarks/bench_inference.py [--threads 1] [--rounds 3] [--simulated] [--variants bf16,tq-int4] [--prompt 32]
+    python benchmarks/bench_inference.py --model gpt_oss   # an MoE shaped as GPT-OSS (32 experts, top 4), experts quantized
 """
 
 from __future__ import annotations
@@ -40,14 +41,22 @@ import tqcompile as tq  # noqa: E402
 PROMPT, NEW, PREFILL = 32, 32, (4, 256)
 
 
-def build_model():
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def build_model(kind: str = "llama"):
+    from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig
 
-    cfg = LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, vocab_size=32000
-    )
+    if kind == "gpt_oss":  # an MoE as GPT-OSS is shaped: 32 experts, top 4 (hidden and experts 768)
+        cfg = GptOssConfig(
+            hidden_size=768, intermediate_size=768, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+            num_local_experts=32, num_experts_per_tok=4, vocab_size=32000, max_position_embeddings=2048,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )  # fmt: skip
+    else:
+        cfg = LlamaConfig(
+            hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, vocab_size=32000
+        )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
+    # Built in bf16 (not cast after: `.to(bfloat16)` would also round the rotary inv_freq buffer).
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -75,15 +84,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def tq_variant(config_name: str | None, compress: bool, fallback: str = "packed", kv: bool = False):
-    """A tq row: `config_name`'s preset (None: no weight quantization), with an FP8 KV cache
-    (per-tensor scales) where `kv`."""
+def tq_variant(config_name, compress: bool, fallback: str = "packed", kv: bool = False):
+    """A tq row: `config_name`'s preset (or a callable making the config; None: no weight
+    quantization), with an FP8 KV cache (per-tensor scales) where `kv`."""
 
     def make(base):
         m = copy.deepcopy(base)
         ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(1))
         rules = (tq.configs.fp8_kv_cache(),) if kv else ()
-        config = tq.calibration.QuantConfig(rules) if config_name is None else getattr(tq.configs, config_name)().with_rules(*rules)
+        preset = getattr(tq.configs, config_name) if isinstance(config_name, str) else config_name
+        config = tq.calibration.QuantConfig(rules) if config_name is None else preset().with_rules(*rules)
         tq.calibrate(m, config, lambda model: model(ids), progress=False)
         if compress:
             tq.compress(m, fallback=fallback)
@@ -127,6 +137,22 @@ VARIANTS = {
     "torchao int8 weight-only": torchao_variant("int8wo"),
     "torchao int8 dyn-act int8 weight": torchao_variant("int8dq"),
     "torchao int4 weight-only g128": torchao_variant("int4wo"),
+}
+def _experts_only(config_name: str):
+    """`config_name`'s preset on the MoE experts alone (every nn.Linear in bf16)."""
+    keep = tq.calibration.QuantRule.disable(module_types=(torch.nn.Linear,), must_match=False)
+    return lambda: getattr(tq.configs, config_name)().with_rules(keep)
+
+
+# --model gpt_oss: the experts quantized, every linear layer in bf16 (as GPT-OSS is released).
+# torchao's quantize_ converts nn.Linear only, so it leaves these experts (3-D parameters) in bf16.
+MOE_VARIANTS = {
+    "bf16": lambda base: copy.deepcopy(base),
+    "tq-mxfp4 experts packed": tq_variant(lambda: tq.configs.mxfp4_weight_only(experts_only=True), True),
+    "tq-mxfp4 experts dequantized": tq_variant(lambda: tq.configs.mxfp4_weight_only(experts_only=True), True, "dequantized"),
+    "tq-int4_weight_only g128 experts packed": tq_variant(_experts_only("int4_weight_only"), True),
+    "tq-int8_weight_only experts packed": tq_variant(_experts_only("int8_weight_only"), True),
+    "tq-fp8 experts packed": tq_variant(_experts_only("fp8"), True),
 }
 SIMULATED = {
     "tq-int8 simulated": tq_variant("int8", False),
@@ -192,19 +218,20 @@ def main() -> None:
     ap.add_argument("--simulated", action="store_true", help="add the calibrated (fake-quantized) models before compress")
     ap.add_argument("--variants", default="", help="comma-separated names (a prefix of a row name selects it)")
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens before the decoded ones (the KV cache's length)")
+    ap.add_argument("--model", default="llama", choices=("llama", "gpt_oss"), help="gpt_oss: an MoE, its experts quantized")
     args = ap.parse_args()
     PROMPT = args.prompt
     torch.set_num_threads(args.threads)
     # Every variant compiles the same step function (its own model and cache): one graph each.
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
-    variants = {**VARIANTS, **(SIMULATED if args.simulated else {})}
+    variants = MOE_VARIANTS if args.model == "gpt_oss" else {**VARIANTS, **(SIMULATED if args.simulated else {})}
     if args.variants:
         wanted = [w.strip() for w in args.variants.split(",")]
         variants = {k: v for k, v in variants.items() if any(k.startswith(w) for w in wanted)}
         if not variants:
             raise SystemExit(f"--variants {args.variants!r} selects none of {list(VARIANTS) + list(SIMULATED)}")
-    base = build_model()
+    base = build_model(args.model)
     bw = read_bandwidth()
     runners, skipped = {}, {}
     for name, make in variants.items():
@@ -227,6 +254,8 @@ def main() -> None:
     print(f"prompt {PROMPT} + {NEW} decoded tokens; torch {torch.__version__}, {args.threads} thread(s), read bandwidth {bw / 1e9:.1f} GB/s, {args.rounds} rounds (medians)\n")
     print("| variant | decode tok/s eager / compiled | × bf16 (decode, compiled) | prefill tok/s eager / compiled | prefill × bf16 (compiled) | cold compile | weights in memory | KV cache B/token | %BW (decode, compiled) |")
     print("|---|---|---|---|---|---|---|---|---|")
+    # An MoE token reads its routed experts only, not every weight: no bandwidth bound from the weights' bytes.
+    pct = (lambda f: "-") if args.model == "gpt_oss" else (lambda f: f"{100 * f:.0f}%")
     for name, m in med.items():
         r = runners[name]
         wb = weight_bytes(r.model)
@@ -235,7 +264,7 @@ def main() -> None:
         xp = f"{m['pc'] / ref['pc']:.2f}" if ref else "-"
         print(
             f"| {name} | {m['de']:.1f} / {m['dc']:.1f} | {xd} | {m['pe']:.0f} / {m['pc']:.0f} | {xp} | {r.compile_s:.0f} s | "
-            f"{wb / 1e6:.0f} MB | {tq.deploy.kv_cache_bytes(r.cache) // (PROMPT + NEW)} | {100 * m['dc'] / limit:.0f}% |"
+            f"{wb / 1e6:.0f} MB | {tq.deploy.kv_cache_bytes(r.cache) // (PROMPT + NEW)} | {pct(m['dc'] / limit)} |"
         )
     for name, why in skipped.items():
         print(f"| {name} | skipped: {why} |")

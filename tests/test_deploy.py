@@ -469,6 +469,38 @@ def test_moe_experts_are_packed_per_expert(kind, preset):
     assert explained.graph_count == 1 and explained.graph_break_count == 0
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("preset", ["mxfp4_weight_only", "int8_weight_only", "fp8", "nvfp4"])
+def test_decoding_dequantizes_only_the_routed_experts(kind, preset, monkeypatch):
+    """Fewer routed rows than experts (a decoding step: each token's top 2 of 8): only those
+    experts' packed weights are dequantized (per expert, or per row of the grouped layout for
+    per-expert tensor scales), and the logits are the calibrated model's bit for bit, also when
+    tokens share an expert (3 tokens, 6 rows); eager and compiled fullgraph."""
+    from moe_models import tiny_hf_moe
+
+    from tqcompile.deploy import modules
+
+    m = tiny_hf_moe(kind, num_experts=8, layers=1)
+    keep = tq.calibration.QuantRule.disable(module_types=(nn.Linear,), must_match=False)  # the experts alone
+    tq.calibrate(m, getattr(tq.configs, preset)().with_rules(keep), lambda mm: mm(IDS % 128), progress=False)
+    steps = [torch.tensor([[5]]), torch.tensor([[5], [9], [77]])]
+    with torch.no_grad():
+        refs = [m(ids).logits for ids in steps]
+    tq.compress(m)
+    routed = []
+    real = modules._routed_gemm_weight
+    monkeypatch.setattr(modules, "_routed_gemm_weight", lambda w, ids: routed.append(ids.numel()) or real(w, ids))
+    with torch.no_grad():
+        for ids, ref in zip(steps, refs):
+            assert torch.equal(m(ids).logits, ref)
+        assert routed == [2, 2, 6, 6]  # two GEMMs a step, gathered at the routed rows
+        torch._dynamo.reset()  # each case compiles the same forward code object
+        compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+        for ids, ref in zip(steps, refs):
+            assert torch.equal(compiled(ids).logits, ref)
+    assert all(real(m.model.layers[0].mlp.experts._parameters[g], torch.tensor([0, 3])) is not None for g in ("gate_up_proj", "down_proj"))
+
+
 # --- load_exported, export, errors ------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["int4_weight_only", "nvfp4"])
 def test_load_exported_checkpoints_compress(preset, tmp_path):

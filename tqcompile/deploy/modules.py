@@ -37,6 +37,7 @@ from tqcompile.deploy.kernels import int4_kernel_block, linear_kernel, packed_li
 from tqcompile.deploy.mx_packed import MXPackedTensor, holds_e8m0_scales
 from tqcompile.deploy.packed import PackedModule
 from tqcompile.nn.experts import ExpertsRouting
+from tqcompile import ops
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.surgery.classes import generated_class
 from tqcompile.surgery.names import canonical_modules
@@ -71,10 +72,39 @@ def _dequantized_gemm_weight(w: torch.Tensor) -> torch.Tensor:
     return w.dequantize()
 
 
+def _routed_gemm_weight(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """The (R, N, K) dequantized weights of experts `ids` (R of them, repeats allowed) of a packed
+    (E, N, K) experts weight, each equal to its expert's slice of `_dequantized_gemm_weight(w)`; None
+    where the packed layout has no per-expert leading dim to gather along (then the whole weight is
+    dequantized)."""
+    if not isinstance(w, QuantizedTensor) or w._data is None:
+        return None
+    e, n, k = w.shape
+    r = ids.numel()
+    if isinstance(w, GroupedQuantizedTensor):  # (E*N, K') rows, scales per expert or per row
+        s = w._scale_inv
+        if s.dim() == 1 and s.shape[0] == e:
+            s = s[ids]
+        elif s.shape[0] == e * n:
+            s = s.view(e, n, *s.shape[1:])[ids].reshape(r * n, *s.shape[1:])
+        else:
+            return None
+        data = w._data.view(e, n, -1)[ids].reshape(r * n, -1)
+        ends = gops.equal_ends(r, n, data.device)
+        return gops.grouped_dequantize(data, s, w._amax[ids], w.quantizer, ends, w.orig_dtype).view(r, n, k)
+    if w._data.shape[0] != e or w._scale_inv.dim() < 2 or w._scale_inv.shape[0] != e or (w._amax is not None and w._amax.dim() > 0):
+        return None
+    return ops.dequantize(w._data[ids], w._scale_inv[ids], w._amax, w.quantizer, w.orig_dtype)
+
+
 @register_mixin
 class _ExpertsPacked(ExpertsRouting):
     """Deployed experts: the routing of `tqcompile.nn.experts`, each GEMM's input quantized as
-    calibrated and its packed weight dequantized (exactly the calibrated model's computation)."""
+    calibrated and its packed weight dequantized (exactly the calibrated model's computation).
+
+    With fewer routed rows than experts (decoding: a token's top-k of E experts) only the routed
+    experts' weights are dequantized, one per row, each row's group ending where its expert's does:
+    the same GEMM per expert as over the whole weight, so the same result, bit for bit."""
 
     tq_class_prefix = "Packed"
     tq_kernel = "dequantize"
@@ -83,8 +113,16 @@ class _ExpertsPacked(ExpertsRouting):
         g = self.tq_experts_layout.gemms[index]
         unit = self._modules[f"{g.weight}_gemm"]
         ends = torch.cumsum(counts.to(torch.int64), 0)
-        w = _dequantized_gemm_weight(self._parameters[g.weight])
-        y = gops.grouped_mm(unit.input_quantizer(x, ends=ends), w, ends)
+        packed = self._parameters[g.weight]
+        w, gemm_ends = None, ends
+        if x.shape[0] < packed.shape[0]:
+            ids = gops.expert_ids(ends, x.shape[0])
+            w = _routed_gemm_weight(packed, ids)
+            # Row j's group: empty unless j is the first row of its expert's segment, then the segment.
+            gemm_ends = ends if w is None else ends[ids]
+        if w is None:
+            w = _dequantized_gemm_weight(packed)
+        y = gops.grouped_mm(unit.input_quantizer(x, ends=ends), w, gemm_ends)
         if g.bias is not None:
             y = y + self._parameters[g.bias].to(y.dtype)[gops.expert_ids(ends, x.shape[0])]
         return unit.output_quantizer(y)
