@@ -107,7 +107,7 @@ def expert_ids(ends: torch.Tensor, length) -> torch.Tensor:
     """Expert of each of `length` positions (tokens) given the segment `ends`; positions past the
     last end go to the last expert (they are padding: zeros). Static shapes."""
     pos = torch.arange(length, device=ends.device, dtype=ends.dtype)
-    return torch.searchsorted(ends, pos, right=True).clamp_(max=ends.numel() - 1)
+    return torch.searchsorted(ends, pos, right=True).clamp(max=ends.numel() - 1)  # out of place: it runs in decompositions
 
 
 def _column_positions(ends: torch.Tensor, num_tokens, multiple: int) -> torch.Tensor:

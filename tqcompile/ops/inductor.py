@@ -87,13 +87,24 @@ def _dequantize_fusable(q, scale_inv: torch.Tensor) -> bool:
         return False
     nvfp4 = q.element_format() is Format.E2M1 and q.scale_dtype() == torch.float8_e4m3fn
     mx_bits = q.scale_dtype() == torch.float8_e8m0fnu and scale_inv.dtype == torch.uint8
-    return nvfp4 or mx_bits
+    int_groups = q.element_format().is_int and q.scale_dtype() == torch.float32  # W4A16's groups: integer codes, fp32 scales
+    return nvfp4 or mx_bits or int_groups
 
 
 def _dequantize(data, scale_inv, amax, quantizer, dtype):
     if not (_dequantize_fusable(quantizer, scale_inv) and _on_cuda_only_int(data, quantizer)):  # no Triton dequantize kernel
         return NotImplemented
     return reference.dequantize(data, scale_inv, amax, quantizer, dtype)
+
+
+def _grouped_dequantize(data, scale_inv, amax, quantizer, ends, out_dtype):
+    """A grouped operand's values (MoE experts' weights, per-expert scales): the reference, whose
+    per-expert scales are gathered per row by `ends`, where its dequantize decomposes."""
+    if not (_dequantize_fusable(quantizer, scale_inv) and _on_cuda_only_int(data, quantizer)):
+        return NotImplemented
+    from tqcompile.ops.grouped_gemm import _dequantize_grouped
+
+    return _dequantize_grouped(data, scale_inv, amax, quantizer, ends, quantizer.logical_shape(data.shape)[0], False, dtype=out_dtype)
 
 
 def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype):
@@ -104,7 +115,7 @@ def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_am
 
 # The sources whose code the decompositions are: the reference kernels, the quantizers' and formats'
 # arithmetic, and this module's choice of what to decompose.
-_NUMERICS_SOURCES = ("kernels/reference.py", "ops/inductor.py", "quantizers", "formats")
+_NUMERICS_SOURCES = ("kernels/reference.py", "ops/inductor.py", "ops/grouped_gemm.py", "quantizers", "formats")
 _PACKAGE = Path(__file__).resolve().parent.parent
 
 
@@ -142,12 +153,15 @@ def register_inductor_decompositions() -> None:
     from torch._inductor.decomposition import decompositions
     from torch._inductor.lowering import make_fallback
 
+    import tqcompile.ops.grouped_gemm  # noqa: F401  (registers tqcompile::grouped_dequantize)
+
     ops = torch.ops.tqcompile
     for op, fn in (
         (ops.amax.default, _amax),
         (ops.quantize.default, _quantize),
         (ops.dequantize.default, _dequantize),
         (ops.gemm_tn.default, _gemm_tn),
+        (ops.grouped_dequantize.default, _grouped_dequantize),
     ):
         decompositions.setdefault(op, fn)
         # Where a decomposition declines (NotImplemented: not fusable, or not CPU) the op stays in the
