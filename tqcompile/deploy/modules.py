@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tqcompile import ops
 from tqcompile.calibration.attention import _HFAttentionKV
 from tqcompile.calibration.modules import (
     ExpertGemmQuantizers,
@@ -37,7 +38,6 @@ from tqcompile.deploy.kernels import int4_kernel_block, linear_kernel, packed_li
 from tqcompile.deploy.mx_packed import MXPackedTensor, holds_e8m0_scales
 from tqcompile.deploy.packed import PackedModule
 from tqcompile.nn.experts import ExpertsRouting
-from tqcompile import ops
 from tqcompile.ops import grouped_gemm as gops
 from tqcompile.surgery.classes import generated_class
 from tqcompile.surgery.names import canonical_modules
@@ -114,17 +114,16 @@ class _ExpertsPacked(ExpertsRouting):
         unit = self._modules[f"{g.weight}_gemm"]
         ends = torch.cumsum(counts.to(torch.int64), 0)
         packed = self._parameters[g.weight]
-        w, gemm_ends = None, ends
-        if x.shape[0] < packed.shape[0]:
-            ids = gops.expert_ids(ends, x.shape[0])
-            w = _routed_gemm_weight(packed, ids)
-            # Row j's group: empty unless j is the first row of its expert's segment, then the segment.
-            gemm_ends = ends if w is None else ends[ids]
+        routed = x.shape[0] < packed.shape[0]
+        ids = gops.expert_ids(ends, x.shape[0]) if routed or g.bias is not None else None
+        w = _routed_gemm_weight(packed, ids) if routed else None
+        # Routed: row j's group is empty unless j is the first row of its expert's segment, then the segment.
+        gemm_ends = ends if w is None else ends[ids]
         if w is None:
             w = _dequantized_gemm_weight(packed)
         y = gops.grouped_mm(unit.input_quantizer(x, ends=ends), w, gemm_ends)
         if g.bias is not None:
-            y = y + self._parameters[g.bias].to(y.dtype)[gops.expert_ids(ends, x.shape[0])]
+            y = y + self._parameters[g.bias].to(y.dtype)[ids]
         return unit.output_quantizer(y)
 
 

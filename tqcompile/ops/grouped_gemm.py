@@ -50,6 +50,7 @@ import torch
 from tqcompile.kernels import reference
 from tqcompile.kernels.reference import transformed
 from tqcompile.ops.gemm import gemm_tn
+from tqcompile.ops.inductor import dequantize_decomposes, register_decomposition
 from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.quantizers.scaling import finite_abs
 
@@ -459,6 +460,17 @@ def grouped_dequantize(
 @grouped_dequantize.register_fake
 def _grouped_dequantize_fake(data, scale_inv, amax, quantizer, ends, out_dtype):
     return data.new_empty(quantizer.logical_shape(data.shape), dtype=out_dtype)
+
+
+def _grouped_dequantize_decomposition(data, scale_inv, amax, quantizer, ends, out_dtype):
+    """Inductor's: the reference, each row's per-expert scale gathered by `ends`, where dequantize
+    decomposes (a deployed MoE's packed experts are dequantized on every call)."""
+    if not dequantize_decomposes(data, scale_inv, quantizer):
+        return NotImplemented
+    return _dequantize_grouped(data, scale_inv, amax, quantizer, ends, quantizer.logical_shape(data.shape)[0], False, dtype=out_dtype)
+
+
+register_decomposition("grouped_dequantize", _grouped_dequantize_decomposition)
 
 
 @torch.library.custom_op("tqcompile::grouped_mm", mutates_args=())

@@ -38,7 +38,7 @@ from tqcompile.formats import Format
 from tqcompile.kernels import reference
 from tqcompile.quantizers import Granularity
 
-__all__ = ["register_inductor_decompositions"]
+__all__ = ["register_inductor_decompositions", "register_decomposition", "dequantize_decomposes"]
 
 
 def _fusable(q) -> bool:
@@ -73,7 +73,9 @@ def _quantize(x, quantizer, amax, seed, flat_scale=False):
 
 
 def _dequantize_fusable(q, scale_inv: torch.Tensor) -> bool:
-    """Dequantize decomposes for the fusable layouts, for NVFP4's 1-D blocks (E2M1 codes, E4M3
+    """Dequantize decomposes for the fusable layouts, for integer groups (INT4 / INT8 codes with
+    fp32 group scales: W4A16's weights, plain integer arithmetic; a deployed MoE's packed experts
+    are dequantized on every call), for NVFP4's 1-D blocks (E2M1 codes, E4M3
     block scales: C++ types inductor has; its E2M1 decode is arithmetic under compile,
     `SmallFloatCodec.decode`) and for MX blocks whose E8M0 scales come as their uint8 bits (a
     deployed MX weight, `tqcompile.deploy.mx_packed`: an E8M0 buffer has no C++ type, the bits
@@ -91,20 +93,16 @@ def _dequantize_fusable(q, scale_inv: torch.Tensor) -> bool:
     return nvfp4 or mx_bits or int_groups
 
 
+def dequantize_decomposes(data: torch.Tensor, scale_inv: torch.Tensor, quantizer) -> bool:
+    """Whether inductor gets the reference dequantization of these operands (`_dequantize_fusable`;
+    on CUDA integer formats only, which have no Triton dequantize kernel)."""
+    return _dequantize_fusable(quantizer, scale_inv) and _on_cuda_only_int(data, quantizer)
+
+
 def _dequantize(data, scale_inv, amax, quantizer, dtype):
-    if not (_dequantize_fusable(quantizer, scale_inv) and _on_cuda_only_int(data, quantizer)):  # no Triton dequantize kernel
+    if not dequantize_decomposes(data, scale_inv, quantizer):
         return NotImplemented
     return reference.dequantize(data, scale_inv, amax, quantizer, dtype)
-
-
-def _grouped_dequantize(data, scale_inv, amax, quantizer, ends, out_dtype):
-    """A grouped operand's values (MoE experts' weights, per-expert scales): the reference, whose
-    per-expert scales are gathered per row by `ends`, where its dequantize decomposes."""
-    if not (_dequantize_fusable(quantizer, scale_inv) and _on_cuda_only_int(data, quantizer)):
-        return NotImplemented
-    from tqcompile.ops.grouped_gemm import _dequantize_grouped
-
-    return _dequantize_grouped(data, scale_inv, amax, quantizer, ends, quantizer.logical_shape(data.shape)[0], False, dtype=out_dtype)
 
 
 def _gemm_tn(a_data, a_scale_inv, a_amax, a_quantizer, b_data, b_scale_inv, b_amax, b_quantizer, out_dtype):
@@ -144,6 +142,23 @@ def _key_the_compile_caches() -> None:
         config.cache_key_tag = f"{config.cache_key_tag}|{tag}" if config.cache_key_tag else tag
 
 
+# Decompositions of ops defined in other modules of `tqcompile.ops` ({op name: function}), which add
+# them with `register_decomposition` (this module imports none of them: they import it).
+_OTHER_DECOMPOSITIONS: dict[str, object] = {}
+
+
+def register_decomposition(op_name: str, fn) -> None:
+    """Give inductor `fn` as the decomposition of ``torch.ops.tqcompile.<op_name>``, with the ones
+    `register_inductor_decompositions` installs: called by the module defining the op, at its
+    import (`import tqcompile` imports every such module, before anything is traced)."""
+    if register_inductor_decompositions.cache_info().currsize:
+        raise RuntimeError(
+            f"register_decomposition({op_name!r}) after tq's decompositions were given to inductor: import the module "
+            "defining the op before anything is compiled"
+        )
+    _OTHER_DECOMPOSITIONS[op_name] = fn
+
+
 @functools.cache
 def register_inductor_decompositions() -> None:
     """Give inductor the reference kernels of the `tqcompile` ops as decompositions (idempotent),
@@ -153,15 +168,13 @@ def register_inductor_decompositions() -> None:
     from torch._inductor.decomposition import decompositions
     from torch._inductor.lowering import make_fallback
 
-    import tqcompile.ops.grouped_gemm  # noqa: F401  (registers tqcompile::grouped_dequantize)
-
     ops = torch.ops.tqcompile
     for op, fn in (
         (ops.amax.default, _amax),
         (ops.quantize.default, _quantize),
         (ops.dequantize.default, _dequantize),
         (ops.gemm_tn.default, _gemm_tn),
-        (ops.grouped_dequantize.default, _grouped_dequantize),
+        *((getattr(ops, name).default, fn) for name, fn in _OTHER_DECOMPOSITIONS.items()),
     ):
         decompositions.setdefault(op, fn)
         # Where a decomposition declines (NotImplemented: not fusable, or not CPU) the op stays in the
