@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import sys
 import tempfile
 import time
@@ -36,12 +35,18 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_ptq_algorithms import fit as fit_windows  # noqa: E402
 from bench_ptq_algorithms import split_text  # noqa: E402
 from ptq_eval import paired_difference, scores, windows  # noqa: E402
 
 import tqcompile as tq  # noqa: E402
 
 SEQ = 256
+
+
+def fit(model, train_ids: torch.Tensor, steps: int, lr: float, seed: int, log: str = "train") -> float:
+    """`bench_ptq_algorithms.fit` on 256-token windows, warming up over the first 5% of the steps."""
+    return fit_windows(model, train_ids, steps=steps, seq=SEQ, lr=lr, warmup=max(1, steps // 20), seed=seed, log=log)
 
 
 def config():
@@ -52,30 +57,6 @@ def config():
         num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=SEQ,
         sliding_window=128, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
     )  # fmt: skip
-
-
-def fit(model, train_ids: torch.Tensor, steps: int, lr: float, seed: int, batch: int = 8, log: str = "train") -> float:
-    """AdamW with warm-up and cosine decay on random windows of the training split; returns seconds."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, steps // 20)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    )
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    start = time.perf_counter()
-    for step in range(steps):
-        starts = torch.randint(0, train_ids.numel() - SEQ, (batch,), generator=gen).tolist()
-        x = torch.stack([train_ids[s : s + SEQ] for s in starts])
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == steps - 1:
-            print(f"  {log} step {step:4d}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
-    model.eval()
-    return time.perf_counter() - start
 
 
 def trained(workdir: Path, train_ids: torch.Tensor, steps: int, seed: int):

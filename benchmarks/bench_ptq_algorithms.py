@@ -120,15 +120,12 @@ def model_config(layers: int, seq: int):
     )
 
 
-def train(model_dir: Path, train_ids: torch.Tensor, *, layers: int, steps: int, seq: int, batch: int = 8, seed: int = 0) -> None:
-    """Train the Llama with AdamW (cosine decay) on random windows of the training split and save it,
-    with the byte-level tokenizer, to `model_dir`."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(layers, seq))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
+def fit(model, train_ids: torch.Tensor, *, steps: int, seq: int, lr: float = 3e-3, warmup: int = 50, batch: int = 8, seed: int = 0,
+        log: str = "train") -> float:
+    """AdamW (warm-up, then cosine decay) on random windows of the training split; the model is left
+    in eval mode. Returns the seconds it took."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
     gen = torch.Generator().manual_seed(seed)
     model.train()
     start = time.perf_counter()
@@ -142,10 +139,22 @@ def train(model_dir: Path, train_ids: torch.Tensor, *, layers: int, steps: int, 
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == steps - 1:
-            print(f"  train step {step:4d}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
-    model.eval().save_pretrained(model_dir)
+            print(f"  {log} step {step:4d}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
+    model.eval()
+    return time.perf_counter() - start
+
+
+def train(model_dir: Path, train_ids: torch.Tensor, *, layers: int, steps: int, seq: int, batch: int = 8, seed: int = 0) -> None:
+    """Train the Llama with AdamW (cosine decay) on random windows of the training split and save it,
+    with the byte-level tokenizer, to `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(layers, seq))
+    seconds = fit(model, train_ids, steps=steps, seq=seq, batch=batch, seed=seed)
+    model.save_pretrained(model_dir)
     byte_tokenizer().save_pretrained(model_dir)
-    (model_dir / "train_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+    (model_dir / "train_seconds.txt").write_text(f"{seconds:.1f}\n")
 
 
 def unigram_perplexity(train_ids: torch.Tensor, rows: torch.Tensor) -> float:

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from tqcompile.export.checkpoint_format import CheckpointFormat, LayerScheme, register_format
+from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.names import Placement, is_hf_model
-from tqcompile.export.safetensors_io import dtype_name
+from tqcompile.export.safetensors_io import dtype_name, load_tensor
 from tqcompile.export.scales import GlobalScaleTensor
 from tqcompile.export.units import ExportError, ExportUnit, QuantizedWeight
 from tqcompile.formats import Format
@@ -158,12 +159,12 @@ class GptOssMxfp4(CheckpointFormat):
         return view, out
 
 
-class _PerExpertView:
-    """A `CheckpointFiles` whose GPT-OSS expert tensors read per expert (`GptOssMxfp4.reading_view`)."""
+class _PerExpertView(CheckpointFiles):
+    """The checkpoint's files with GPT-OSS's expert tensors read per expert (`GptOssMxfp4.reading_view`)."""
 
-    def __init__(self, ckpt):
-        self.base, self.path, self.strays = ckpt, ckpt.path, ckpt.strays
-        self.entries = dict(ckpt.entries)
+    def __init__(self, ckpt: CheckpointFiles):  # a view of `ckpt`'s checked files: no second read of them
+        self.path, self.strays, self.entries = ckpt.path, ckpt.strays, dict(ckpt.entries)
+        self._stored: dict[str, tuple] = {}  # the `*_blocks` / `*_scales` entries the virtual layers read
         self._virtual: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # name -> (stored tensor, expert, shape)
         # The stored tensors of one experts GEMM (its blocks and scales): the loader reads them expert by
         # expert, alternating between the two, and each is read from the file once.
@@ -174,6 +175,7 @@ class _PerExpertView:
         blocks, scales = self.entries.pop(f"{gemm}_blocks", None), self.entries.pop(f"{gemm}_scales", None)
         if scales is None:
             raise ExportError(f"tq.load_exported: the checkpoint holds {gemm}_blocks but no {gemm}_scales; restore the file the export wrote")
+        self._stored.update({f"{gemm}_blocks": blocks, f"{gemm}_scales": scales})
         b, s = blocks[1], scales[1]
         b_shape, s_shape = tuple(b["shape"]), tuple(s["shape"])
         if b["dtype"] != "U8" or s["dtype"] != "U8" or len(b_shape) != 4 or b_shape[-1] != _BYTES or b_shape[:-1] != s_shape:
@@ -191,34 +193,27 @@ class _PerExpertView:
         return experts
 
     def check_consumed(self) -> None:
-        left = sorted(n for n in self.entries if n.endswith(("_blocks", "_scales")) and n not in self._virtual)
+        left = sorted(n for n in self.entries if n.endswith(("_blocks", "_scales")))
         if left:
             raise ExportError(
                 f"tq.load_exported: {left[0]} has no experts GEMM of the model to load into (the model's experts are kept "
                 "in 16 bits, or the architecture differs)"
             )
 
-    def entry(self, name: str) -> dict | None:
-        found = self.entries.get(name)
-        return None if found is None else found[1]
-
     def get(self, name: str):
         if name not in self._virtual:
-            return self.base.get(name) if name in self.entries else None
+            return super().get(name)
         stored, e, shape = self._virtual[name]
         gemm = stored.rsplit("_", 1)[0]
         if self._held[0] != gemm:
             self._held = (gemm, {})
         held = self._held[1]
         if stored not in held:
-            held[stored] = self.base.get(stored)
+            held[stored] = load_tensor(*self._stored[stored])
         return held[stored][e].reshape(shape)
 
-    def layer_prefixes(self) -> list[str]:
-        return sorted(k[: -len(".weight_scale")] for k in self.entries if k.endswith(".weight_scale"))
-
     def refuse_strays(self, names: set[str]) -> None:
-        self.base.refuse_strays(names | {n for n in self.base.entries if n.endswith(("_blocks", "_scales"))})
+        super().refuse_strays(names | set(self._stored))
 
 
 GPT_OSS_MXFP4 = register_format(GptOssMxfp4())
