@@ -453,7 +453,7 @@ def test_moe_experts_are_packed_per_expert(kind, preset):
     experts = next(mod for name, mod in m.named_modules() if name.endswith("mlp.experts"))
     tq.compress(m)
     gemm_rows = [r for r in tq.deploy.deployed_layers(m) if r.name.endswith("_gemm")]
-    assert len(gemm_rows) == 2 and {r.kernel for r in gemm_rows} == {"dequantize"}
+    assert len(gemm_rows) == 2 and {r.kernel for r in gemm_rows} == {"int_mm" if preset == "int8" else "dequantize"}
     for g in experts.tq_experts_layout.gemms:
         w = experts._parameters[g.weight]
         assert isinstance(w, tq.QuantizedTensor) and w.dim() == 3
@@ -470,7 +470,7 @@ def test_moe_experts_are_packed_per_expert(kind, preset):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
-@pytest.mark.parametrize("preset", ["mxfp4_weight_only", "int8_weight_only", "fp8", "nvfp4"])
+@pytest.mark.parametrize("preset", ["mxfp4_weight_only", "mxfp8", "fp8", "nvfp4"])  # INT8 / INT4: tests/test_deploy_experts.py
 def test_decoding_dequantizes_only_the_routed_experts(kind, preset, monkeypatch):
     """Fewer routed rows than experts (a decoding step: each token's top 2 of 8): only those
     experts' packed weights are dequantized (per expert, or per row of the grouped layout for

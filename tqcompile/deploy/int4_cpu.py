@@ -35,33 +35,37 @@ _ROW_BLOCK = 64
 
 def pack(payload: torch.Tensor, q: Quantizer) -> torch.Tensor:
     """tq's INT4 / INT3 / INT2 payload of an (N, K) weight -> the CPU kernel's (N, K / 2) bytes
-    (narrower codes take the kernel's 4 bits: ``c + 8`` is 6..9 for INT2, 4..11 for INT3)."""
+    (narrower codes take the kernel's 4 bits: ``c + 8`` is 6..9 for INT2, 4..11 for INT3). An
+    (E, N, K) experts weight packs expert by expert into (E, N, K / 2)."""
     codec = q.element_format().codec
     codes = codec.signed(codec.unpack(payload)).to(torch.int32) + 8
+    if codes.dim() == 3:
+        return torch.stack([torch._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in codes])
     return torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
 def _unsigned_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel's (N, K / 2) bytes -> the (N, K) unsigned codes ``c + 8`` (uint8) in row order."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    p = packed.view(n // _ROW_BLOCK, k, _ROW_BLOCK // 2)
-    return torch.cat((p & 15, p >> 4), 2).permute(0, 2, 1).reshape(n, k)
+    """The CPU kernel's (..., N, K / 2) bytes -> the (..., N, K) unsigned codes ``c + 8`` (uint8) in row order."""
+    *lead, n, half = packed.shape
+    p = packed.reshape(-1, n // _ROW_BLOCK, half * 2, _ROW_BLOCK // 2)
+    return torch.cat((p & 15, p >> 4), 3).permute(0, 1, 3, 2).reshape(*lead, n, half * 2)
 
 
 def unpack(packed: torch.Tensor, q: Quantizer) -> torch.Tensor:
-    """The CPU kernel's (N, K / 2) bytes -> tq's payload of `q` (every code of its grid, -8 included)."""
+    """The CPU kernel's (..., N, K / 2) bytes -> tq's payload of `q` (every code of its grid, -8 included)."""
     codec = q.element_format().codec
     return codec.pack(codec.encode(_unsigned_codes(packed).float() - 8, *q.code_range()))
 
 
 def scales_and_zeros(qt: QuantizedTensor, block: int) -> torch.Tensor:
-    """The INT4 kernels' (K / block, N, 2) scales and zeros of `qt`'s (N, K) weight, in its dtype.
-    The kernels (CPU and CUDA alike) compute ``(c + 8 - 8) * scale + zero``: an asymmetric unit's
-    zero point z is ``zero = -z * scale``; one scale per row is repeated over the row's blocks."""
+    """The INT4 kernels' (K / block, N, 2) scales and zeros of `qt`'s (N, K) weight, in its dtype
+    ((E, K / block, N, 2) for an (E, N, K) experts weight). The kernels (CPU and CUDA alike)
+    compute ``(c + 8 - 8) * scale + zero``: an asymmetric unit's zero point z is
+    ``zero = -z * scale``; one scale per row is repeated over the row's blocks."""
     per_unit = qt._scale_inv if qt.quantizer.has_zero_point() else torch.stack((qt._scale_inv, torch.zeros_like(qt._scale_inv)), -1)
     scale, zero = per_unit[..., 0], -per_unit[..., 1] * per_unit[..., 0]
-    sz = torch.stack((scale, zero), -1).repeat_interleave(qt.shape[1] // block // scale.shape[1], 1)
-    return sz.transpose(0, 1).to(qt.orig_dtype).contiguous()
+    sz = torch.stack((scale, zero), -1).repeat_interleave(qt.shape[-1] // block // scale.shape[-1], -2)
+    return sz.transpose(-3, -2).to(qt.orig_dtype).contiguous()
 
 
 _OPS = (aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.default, aten._to_copy.default, aten.is_pinned.default)
@@ -69,7 +73,9 @@ _OPS = (aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.
 
 class Int4PackedCPUTensor(QuantizedTensor):
     """An (N, K) INT4 weight quantized in blocks along K, its payload in the CPU INT4 kernel's
-    layout (module docstring). Made by `from_quantized`; read by `tqcompile.deploy.kernels`."""
+    layout (module docstring), or an (E, N, K) experts weight holding each expert's (N, K) so
+    (``_data`` (E, N, K / 2), ``_scale_inv`` (E, K / block, N, 2)). Made by `from_quantized`; read
+    by `tqcompile.deploy.kernels` and `tqcompile.deploy.experts_mm`."""
 
     _DEVICE = "cpu"  # the device type whose kernel reads this layout
 
@@ -91,7 +97,7 @@ class Int4PackedCPUTensor(QuantizedTensor):
     def block_size(self) -> int:
         """The kernel's block size (the quantizer's 1-D block; for one scale per row, what
         `tqcompile.deploy.kernels.int4_kernel_block` chose)."""
-        return self.shape[1] // self._scale_inv.shape[0]
+        return self.shape[-1] // self._scale_inv.shape[-3]
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta, outer_size, outer_stride):
@@ -104,21 +110,22 @@ class Int4PackedCPUTensor(QuantizedTensor):
         0 for a symmetric weight), saturated to `dtype`. Read off the kernel's bytes directly, not
         through tq's payload: measured on a (2816, 1024) weight, one thread, 3-5 ms against 41 ms
         (the kernels' prefill path dequantizes it per call, `tqcompile.deploy.kernels`)."""
-        n, k = self.shape
+        *lead, n, k = self.shape
         dtype = dtype or self.orig_dtype
-        blocks = self._scale_inv.shape[0]  # (K / block, N, 2) scales and zeros
-        u = self._unsigned_codes().reshape(n, blocks, k // blocks)
+        blocks = self._scale_inv.shape[-3]  # (..., K / block, N, 2) scales and zeros
+        u = self._unsigned_codes().reshape(*lead, n, blocks, k // blocks)
         if not self.quantizer.has_zero_point() and self._scale_inv.dtype == dtype:
             # (u - 8) * scale rounds once in `dtype` as in fp32 (a 4-bit code times a scale of
             # `dtype` is exact in fp32); the zeros are 0. Half the bytes of fp32 temporaries.
-            scale = self._scale_inv[..., 0].t().reshape(n, blocks, 1)
-            return ((u.to(dtype) - 8) * scale).reshape(n, k)
+            scale = self._scale_inv[..., 0].transpose(-2, -1).reshape(*lead, n, blocks, 1)
+            return ((u.to(dtype) - 8) * scale).reshape(*lead, n, k)
         sz = self._scale_inv.float()
-        scale, zero = sz[..., 0].t().reshape(n, blocks, 1), sz[..., 1].t().reshape(n, blocks, 1)
-        return saturate(((u.float() - 8) * scale + zero).reshape(n, k), dtype)
+        scale = sz[..., 0].transpose(-2, -1).reshape(*lead, n, blocks, 1)
+        zero = sz[..., 1].transpose(-2, -1).reshape(*lead, n, blocks, 1)
+        return saturate(((u.float() - 8) * scale + zero).reshape(*lead, n, k), dtype)
 
     def _unsigned_codes(self) -> torch.Tensor:
-        """The (N, K) unsigned codes ``c + 8`` (uint8) in row order, read off the kernel's bytes."""
+        """The (..., N, K) unsigned codes ``c + 8`` (uint8) in row order, read off the kernel's bytes."""
         return _unsigned_codes(self._data)
 
     def __repr__(self) -> str:

@@ -21,6 +21,11 @@ One rule, `linear_kernel`, chooses per layer from the weight's quantizer, the in
 The weight-only kernels are matrix-vector kernels: a call of more tokens than the M bound
 (prefill) runs ``F.linear`` on the dequantized weight (`_WEIGHT_ONLY_MAX_M`).
 
+An experts GEMM ((E, N, K) weights) takes the CPU rows of this table (``int_mm``, ``int8pack_mm``,
+``int4pack_mm``) where its dense (N, K) layer would, called per expert with rows, the bound
+applying per expert (`experts_kernel`, `tqcompile.deploy.experts_mm`); every other experts GEMM
+dequantizes its routed experts.
+
 ``int8_triton`` (CUDA, INT8 weight-only: ``tqcompile::int8_weight_only_mm``, a Triton kernel that
 reads the int8 weight, `tqcompile.kernels.triton.int8_mm`) is built and tested (interpreted, and
 compiled to sm_90 PTX) but not yet timed on a GPU, so the rule does not choose it: a layer runs it
@@ -48,7 +53,7 @@ from tqcompile import ops
 from tqcompile.formats import Format
 from tqcompile.quantizers import Granularity, Quantizer
 
-__all__ = ["KERNELS", "linear_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS", "int4_kernel_block"]
+__all__ = ["KERNELS", "linear_kernel", "experts_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS", "int4_kernel_block"]
 
 KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "int8_triton", "dequantize")
 # The most tokens a call of CUDA's INT4 kernel takes; more run the dequantized weight through
@@ -150,6 +155,19 @@ def linear_kernel(
                 return "scaled_mm", "FP8 per tensor or per row on both operands: torch._scaled_mm"
     why = "no kernel for this format on this device: the dequantized weight and F.linear (exact)"
     return "dequantize", why
+
+
+def experts_kernel(
+    weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[int, int, int], device: torch.device | str, dtype: torch.dtype = torch.bfloat16
+) -> tuple[str, str]:
+    """(kernel, why) for a deployed experts GEMM of (E, N, K) weight `shape`: the CPU integer
+    kernels (INT8 weight-only, INT4 weight-only, W8A8) where `linear_kernel` gives a dense (N, K) layer of the same quantizers one, called per
+    routed expert (`tqcompile.deploy.experts_mm`); otherwise ``dequantize`` (the routed experts'
+    packed weights dequantized per call; no grouped integer or FP8 kernel is used yet)."""
+    kernel, why = linear_kernel(weight_q, input_q, shape[1:], device, dtype)
+    if torch.device(device).type == "cpu" and kernel in ("int8pack_mm", "int4pack_mm", "int_mm"):
+        return kernel, f"{why}: one kernel call per expert with rows"
+    return "dequantize", "experts GEMM: no per-expert kernel for this format on this device; the routed experts' packed weights dequantized per call (exact)"
 
 
 def weight_only_mm(x: torch.Tensor, weight, kernel_scale: torch.Tensor | None, kernel: str) -> torch.Tensor:

@@ -9,9 +9,10 @@ module keeps its quantizers (input and output amaxes, the weight's method), so `
 `tq.quant_state` read it as before, and its class still derives from the model's own (``nn.Linear``).
 
 Experts modules (fused 3-D expert weights) keep their routing; each GEMM's weight is packed per
-expert in the GEMM's (experts, out, in) view under the parameter's name, and dequantized per
-call (there is no grouped low-precision kernel on the CPU): exact, and half or a quarter of the
-bytes.
+expert in the GEMM's (experts, out, in) view under the parameter's name. INT8 (weight-only or
+W8A8) and INT4 weight-only GEMMs on the CPU call the dense layers' kernels once per expert with
+rows (`tqcompile.deploy.experts_mm`, `kernels.experts_kernel`); every other one dequantizes its
+routed experts' packed weights per call (exact; half or a quarter of the bytes).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from tqcompile.calibration.modules import (
     register_mixin,
     slots_of,
 )
+from tqcompile.deploy.experts_mm import EXPERTS_KERNELS, experts_int_mm, experts_weight_only_mm
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
 from tqcompile.deploy.int4_cuda import Int4PackedCUDATensor
-from tqcompile.deploy.kernels import int4_kernel_block, linear_kernel, packed_linear
+from tqcompile.deploy.kernels import _WEIGHT_ONLY_MAX_M, experts_kernel, int4_kernel_block, linear_kernel, packed_linear
 from tqcompile.deploy.mx_packed import MXPackedTensor, holds_e8m0_scales
 from tqcompile.deploy.packed import PackedModule
 from tqcompile.nn.experts import ExpertsRouting
@@ -97,12 +99,27 @@ def _routed_gemm_weight(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | No
     return ops.dequantize(w._data[ids], w._scale_inv[ids], w._amax, w.quantizer, w.orig_dtype)
 
 
+def _grouped_input_codes(input_quantizer, x: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The INT8 codes of an experts GEMM's (R, K) input (rows sorted by expert) and each row's fp32
+    scale, as its calibrated fake-quantizer computes them (`fake_quantize_grouped`): per expert
+    with its static amax or one from its rows, or per token."""
+    q, amax = input_quantizer.quantizer, input_quantizer.amax
+    if amax is None and q.uses_tensor_amax():
+        amax = gops.grouped_amax(x, q, ends, False)
+    codes, scale_inv = gops.grouped_quantize(x, q, ends, amax, None, False)
+    if scale_inv.dim() == 1:  # one scale per expert: each row takes its expert's
+        scale_inv = scale_inv[gops.expert_ids(ends, x.shape[0])]
+    return codes, scale_inv.reshape(-1, 1).float()
+
+
 @register_mixin
 class _ExpertsPacked(ExpertsRouting):
-    """Deployed experts: the routing of `tqcompile.nn.experts`, each GEMM's input quantized as
-    calibrated and its packed weight dequantized (exactly the calibrated model's computation).
+    """Deployed experts: the routing of `tqcompile.nn.experts`; each GEMM runs its kernel
+    (``unit.tq_kernel``): the CPU's integer kernels per expert with rows (`experts_mm`), or its
+    input quantized as calibrated and its packed weight dequantized (``dequantize``: exactly the
+    calibrated model's computation).
 
-    With fewer routed rows than experts (decoding: a token's top-k of E experts) only the routed
+    Dequantizing with fewer routed rows than experts (decoding: a token's top-k of E experts) only the routed
     experts' weights are dequantized, one per row, each row's group ending where its expert's does:
     the same GEMM per expert as over the whole weight, so the same result, bit for bit."""
 
@@ -114,14 +131,23 @@ class _ExpertsPacked(ExpertsRouting):
         unit = self._modules[f"{g.weight}_gemm"]
         ends = torch.cumsum(counts.to(torch.int64), 0)
         packed = self._parameters[g.weight]
-        routed = x.shape[0] < packed.shape[0]
+        kernel = unit.tq_kernel
+        routed = x.shape[0] < packed.shape[0] and kernel == "dequantize"
         ids = gops.expert_ids(ends, x.shape[0]) if routed or g.bias is not None else None
-        w = _routed_gemm_weight(packed, ids) if routed else None
-        # Routed: row j's group is empty unless j is the first row of its expert's segment, then the segment.
-        gemm_ends = ends if w is None else ends[ids]
-        if w is None:
-            w = _dequantized_gemm_weight(packed)
-        y = gops.grouped_mm(unit.input_quantizer(x, ends=ends), w, gemm_ends)
+        if kernel == "int_mm":  # W8A8 on the CPU: the input's codes as calibrated, a kernel call per expert with rows
+            codes, row_scale = _grouped_input_codes(unit.input_quantizer, x, ends)
+            y = experts_int_mm(codes, row_scale, packed._data, packed._scale_inv, ends, x.dtype)
+        elif kernel in EXPERTS_KERNELS:  # weight-only INT8 / INT4 on the CPU: a kernel call per expert with rows
+            scale = packed._scale_inv if kernel == "int4pack_mm" else self._buffers[f"{g.weight}_kernel_scale"]
+            most = _WEIGHT_ONLY_MAX_M[("cpu", kernel)]
+            y = experts_weight_only_mm(x, packed._data, scale, packed._scale_inv, packed.quantizer, ends, kernel, most)
+        else:
+            w = _routed_gemm_weight(packed, ids) if routed else None
+            # Routed: row j's group is empty unless j is the first row of its expert's segment, then the segment.
+            gemm_ends = ends if w is None else ends[ids]
+            if w is None:
+                w = _dequantized_gemm_weight(packed)
+            y = gops.grouped_mm(unit.input_quantizer(x, ends=ends), w, gemm_ends)
         if g.bias is not None:
             y = y + self._parameters[g.bias].to(y.dtype)[ids]
         return unit.output_quantizer(y)
@@ -210,6 +236,7 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> None:
         w = unit.weight.detach()  # the (E, N, K) GEMM view
         wq = unit.weight_quantizer
         q = wq.quantizer
+        kernel, why = "dequantize", "experts GEMM: per-expert tensor scales; the routed experts' packed weights dequantized per call (exact)"
         if q is None:
             packed = w.contiguous()
         elif wq.static_kind == "tensor":  # one amax per expert: quantized per expert as the grouped path does
@@ -221,11 +248,20 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> None:
         else:
             amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
             packed = quantize_usages(w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
-        if fallback == "dequantized" and isinstance(packed, QuantizedTensor):
+            kernel, why = experts_kernel(q, unit.input_quantizer.quantizer, tuple(w.shape), w.device, w.dtype)
+        if kernel == "int4pack_mm":
+            packed = Int4PackedCPUTensor.from_quantized(packed, int4_kernel_block(q, w.shape[2]))
+        elif kernel == "int8pack_mm":  # the kernel's (E, N) scales in the model's dtype (kernels.weight_only_mm)
+            module.register_buffer(f"{g.weight}_kernel_scale", packed._scale_inv.reshape(w.shape[:2]).to(w.dtype))
+        elif fallback == "dequantized" and isinstance(packed, QuantizedTensor):
             packed = _dequantized_gemm_weight(packed)
+            kernel, why = "dequantized", f"{why}; kept dequantized (fallback='dequantized')"
         elif isinstance(packed, QuantizedTensor):
             packed = _compilable(packed)
+        else:
+            kernel, why = "dequantized", "experts GEMM whose weight quantizer is disabled: its float weight"
         module._parameters[g.weight] = nn.Parameter(packed, requires_grad=False)
+        unit.tq_kernel, unit.tq_kernel_reason = kernel, why
     # The packed weights are stored in the GEMM's (E, out, in) view, whatever the model stored.
     gemms = tuple(dataclasses.replace(g, transposed=False) for g in module.tq_experts_layout.gemms)
     module.tq_experts_layout = dataclasses.replace(module.tq_experts_layout, gemms=gemms)
@@ -318,7 +354,8 @@ def deployed_layers(model: nn.Module) -> list[DeployedLayer]:
             rows.append(DeployedLayer(name, module.tq_kernel, module.tq_kernel_reason, _bytes(module.weight)))
         elif isinstance(module, _ExpertsPacked):
             for g in module.tq_experts_layout.gemms:
-                w = module._parameters[g.weight]
-                kernel = "dequantize" if isinstance(w, QuantizedTensor) else "dequantized"
-                rows.append(DeployedLayer(f"{name}.{g.weight}_gemm", kernel, "experts GEMM: packed per expert, dequantized per call", _bytes(w)))
+                w, unit = module._parameters[g.weight], module._modules[f"{g.weight}_gemm"]
+                extra = module._buffers.get(f"{g.weight}_kernel_scale")  # INT8: the kernel's scales
+                nbytes = _bytes(w) + (0 if extra is None else _bytes(extra))
+                rows.append(DeployedLayer(f"{name}.{g.weight}_gemm", unit.tq_kernel, unit.tq_kernel_reason, nbytes))
     return rows
