@@ -152,6 +152,8 @@ MOE_VARIANTS = {
     "tq-mxfp4 experts dequantized": tq_variant(lambda: tq.configs.mxfp4_weight_only(experts_only=True), True, "dequantized"),
     "tq-int4_weight_only g128 experts packed": tq_variant(_experts_only("int4_weight_only"), True),
     "tq-int8_weight_only experts packed": tq_variant(_experts_only("int8_weight_only"), True),
+    "tq-int8 (W8A8 static) experts packed": tq_variant(_experts_only("int8"), True),
+    "tq-int8_dynamic (W8A8) experts packed": tq_variant(_experts_only("int8_dynamic"), True),
     "tq-fp8 experts packed": tq_variant(_experts_only("fp8"), True),
 }
 SIMULATED = {

@@ -135,10 +135,10 @@ def test_generate_compiled_with_a_static_cache(preset):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("preset", ["int4_g32", "fp8", "int8", "nvfp4", "mxfp4_weight_only"])
+@pytest.mark.parametrize("preset", ["int4_g16", "fp8", "int8", "nvfp4", "mxfp4_weight_only"])
 def test_inductor_generates_the_dequantization_of_packed_experts(preset):
-    """A deployed experts weight is dequantized on every call (there is no grouped low-precision
-    kernel on a CPU), whole or at the routed experts (decoding): inductor generates it, with no
+    """A deployed experts weight the CPU's integer kernels do not take (FP8, MX, NVFP4; INT4 in
+    blocks of 16) is dequantized on every call, whole or at the routed experts (decoding): inductor generates it, with no
     opaque `tqcompile` op, for integer groups (W4A16's codes and fp32 group scales) and for the
     grouped layout of per-expert tensor scales (FP8, INT8, NVFP4: `tqcompile::grouped_dequantize`);
     the weights are eager's bit for bit. Measured before: a decode step of 32-expert packed INT4 or
@@ -148,7 +148,7 @@ def test_inductor_generates_the_dequantization_of_packed_experts(preset):
 
     from tqcompile.deploy.modules import _dequantized_gemm_weight, _routed_gemm_weight
 
-    config = tq.configs.int_weight_only(4, 32) if preset == "int4_g32" else getattr(tq.configs, preset)()
+    config = tq.configs.int_weight_only(4, 16) if preset == "int4_g16" else getattr(tq.configs, preset)()
     keep = tq.calibration.QuantRule.disable(module_types=(torch.nn.Linear,), must_match=False)
     m = tiny_hf_moe("gpt_oss", num_experts=8, layers=1)
     tq.calibrate(m, config.with_rules(keep), lambda mm: mm(IDS % 128), progress=False)
@@ -160,3 +160,40 @@ def test_inductor_generates_the_dequantization_of_packed_experts(preset):
         out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
         assert "torch.ops.tqcompile" not in "\n".join(code), fn.__name__
         assert torch.equal(out, fn(*args)), fn.__name__
+
+
+@pytest.mark.parametrize("preset", ["int8", "int8_dynamic", "fp8"])
+def test_inductor_generates_the_grouped_input_quantization_of_experts(preset):
+    """An experts GEMM's input is quantized per call (W8A8 experts: their codes for `_int_mm`; FP8:
+    fake-quantized as calibrated): inductor generates `tqcompile::grouped_amax` and
+    `grouped_quantize` (per-expert static or dynamic tensor scales, or one per token) with no opaque
+    op left, bit for bit eager, also where no other `tqcompile` op registered the decompositions
+    first (an experts-only model traces grouped ops alone: they were left opaque, W8A8 experts'
+    compiled prefill 0.68x bf16 -> 1.0x, docs/deploy.md). The registration is undone first."""
+    from moe_models import tiny_hf_moe
+    from torch._inductor import decomposition
+    from torch._inductor.utils import run_and_get_code
+
+    from tqcompile.deploy.modules import _grouped_input_codes
+    from tqcompile.ops.inductor import register_inductor_decompositions
+
+    keep = tq.calibration.QuantRule.disable(module_types=(torch.nn.Linear,), must_match=False)
+    m = tiny_hf_moe("mixtral", num_experts=8, layers=1)
+    tq.calibrate(m, getattr(tq.configs, preset)().with_rules(keep), lambda mm: mm(IDS % 128), progress=False)
+    unit = m.model.layers[0].mlp.experts._modules["down_proj_gemm"]
+    x = torch.randn(40, unit.weight.shape[-1], generator=torch.Generator().manual_seed(0))
+    ends = torch.tensor([3, 3, 10, 11, 25, 25, 33, 40])
+    fn = (lambda x, ends: _grouped_input_codes(unit.input_quantizer, x * 1.5, ends)) if preset != "fp8" else (
+        lambda x, ends: unit.input_quantizer(x * 1.5, ends=ends))
+    ops = torch.ops.tqcompile
+    for op in (ops.amax, ops.quantize, ops.dequantize, ops.gemm_tn, ops.grouped_amax, ops.grouped_quantize, ops.grouped_dequantize):
+        decomposition.decompositions.pop(op.default, None)
+    register_inductor_decompositions.cache_clear()
+    decomposition.fast_random_decomps.cache_clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, code = run_and_get_code(torch.compile(fn, fullgraph=True), x, ends)
+        eager = fn(x, ends)
+    assert "torch.ops.tqcompile" not in "\n".join(code)
+    for a, b in zip(out if isinstance(out, tuple) else (out,), eager if isinstance(eager, tuple) else (eager,)):
+        assert torch.equal(a, b)

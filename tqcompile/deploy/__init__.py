@@ -6,11 +6,11 @@ per call and why, and the measured speed and memory (benchmarks/bench_inference.
 
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
 from tqcompile.deploy.int4_cuda import Int4PackedCUDATensor
-from tqcompile.deploy.kernels import KERNELS, linear_kernel  # KERNELS, FALLBACKS: importable, not advertised
+from tqcompile.deploy.kernels import KERNELS, experts_kernel, linear_kernel  # KERNELS, FALLBACKS: importable, not advertised
 from tqcompile.deploy.modules import FALLBACKS, DeployedLayer, compress, deployed_layers
 from tqcompile.deploy.mx_packed import MXPackedTensor
 
-__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "Int4PackedCPUTensor", "Int4PackedCUDATensor", "MXPackedTensor", "quantized_kv_cache", "kv_cache_bytes"]
+__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "experts_kernel", "Int4PackedCPUTensor", "Int4PackedCUDATensor", "MXPackedTensor", "quantized_kv_cache", "kv_cache_bytes"]
 
 # The FP8 KV cache subclasses Hugging Face's cache classes: imported on first use, so that
 # tqcompile imports without transformers.

@@ -79,7 +79,7 @@ def _routed_gemm_weight(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | No
     (E, N, K) experts weight, each equal to its expert's slice of `_dequantized_gemm_weight(w)`; None
     where the packed layout has no per-expert leading dim to gather along (then the whole weight is
     dequantized)."""
-    if not isinstance(w, QuantizedTensor) or w._data is None:
+    if not isinstance(w, QuantizedTensor) or w._data is None or isinstance(w, Int4PackedCPUTensor):  # INT4: the kernel's layout
         return None
     e, n, k = w.shape
     r = ids.numel()

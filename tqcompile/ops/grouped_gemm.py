@@ -50,7 +50,7 @@ import torch
 from tqcompile.kernels import reference
 from tqcompile.kernels.reference import transformed
 from tqcompile.ops.gemm import gemm_tn
-from tqcompile.ops.inductor import dequantize_decomposes, register_decomposition
+from tqcompile.ops.inductor import dequantize_decomposes, quantize_decomposes, register_decomposition, register_inductor_decompositions
 from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.quantizers.scaling import finite_abs
 
@@ -155,7 +155,7 @@ def _segment_amax(per_position: torch.Tensor, ids: torch.Tensor, num_experts: in
     shape = list(per_position.shape)
     shape[dim] = num_experts
     index = ids.view([-1 if d == dim else 1 for d in range(per_position.dim())]).expand_as(per_position)
-    return per_position.new_zeros(shape).scatter_reduce_(dim, index, per_position, "amax", include_self=True)
+    return per_position.new_zeros(shape).scatter_reduce(dim, index, per_position, "amax", include_self=True)  # out of place: decompositions
 
 
 def _per_expert_scale_inv(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
@@ -174,6 +174,10 @@ def grouped_amax(x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, colu
     after the quantizer's transform in the rowwise or the columnwise layout (0 for an expert with
     no tokens). A scatter_reduce over token -> expert ids: static shapes."""
     _check_ends(ends, x.shape[0], "grouped_amax")
+    return _grouped_amax(x, quantizer, ends, columnwise)
+
+
+def _grouped_amax(x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, columnwise: bool) -> torch.Tensor:
     num_experts = ends.numel()
     if columnwise and quantizer.hadamard_transformed():
         # The transform mixes tokens within a block: take the amax in the padded layout.
@@ -190,7 +194,19 @@ def grouped_amax(x: torch.Tensor, quantizer: Quantizer, ends: torch.Tensor, colu
 
 @grouped_amax.register_fake
 def _grouped_amax_fake(x, quantizer, ends, columnwise):
+    register_inductor_decompositions()  # traced: hand inductor the decompositions (tqcompile.ops.inductor)
     return x.new_empty((ends.shape[0],), dtype=torch.float32)
+
+
+def _grouped_amax_decomposition(x, quantizer, ends, columnwise):
+    """Inductor's, for the rowwise layout of the fusable quantizers (`quantize_decomposes`): the
+    reference, so the amax fuses with the producer of `x` (an experts GEMM's input, per call)."""
+    if columnwise or not quantize_decomposes(x, quantizer) or quantizer.hadamard_transformed():
+        return NotImplemented
+    return _grouped_amax(x, quantizer, ends, columnwise)
+
+
+register_decomposition("grouped_amax", _grouped_amax_decomposition)
 
 
 @torch.library.custom_op("tqcompile::grouped_quantize", mutates_args=())
@@ -206,6 +222,10 @@ def grouped_quantize(
     scales, in the rowwise or the padded columnwise layout (module docstring). `amax` is the
     (group-reduced) per-expert amax from `grouped_amax`, for quantizers with a tensor-level amax."""
     _check_ends(ends, x.shape[0], "grouped_quantize")
+    return _grouped_quantize(x, quantizer, ends, amax, seed, columnwise)
+
+
+def _grouped_quantize(x, quantizer: Quantizer, ends: torch.Tensor, amax, seed, columnwise: bool):
     num_experts = ends.numel()
     gran, axis, _ = quantizer.layout()
     multiple = token_multiple(quantizer)
@@ -251,12 +271,25 @@ def _quantize_per_segment(xs, q: Quantizer, ends: torch.Tensor, amax: torch.Tens
 
 @grouped_quantize.register_fake
 def _grouped_quantize_fake(x, quantizer, ends, amax, seed, columnwise):
+    register_inductor_decompositions()  # traced: hand inductor the decompositions (tqcompile.ops.inductor)
     t, c = x.shape
     num_experts = ends.shape[0]
     shape = (c, padded_tokens(t, num_experts, token_multiple(quantizer))) if columnwise else (t, c)
     payload = x.new_empty(quantizer.payload_shape(shape), dtype=quantizer.element_format().storage_dtype)
     scale_inv = x.new_empty(grouped_scale_shape(quantizer, shape, num_experts, columnwise), dtype=quantizer.scale_dtype())
     return payload, scale_inv
+
+
+def _grouped_quantize_decomposition(x, quantizer, ends, amax, seed, columnwise):
+    """Inductor's, for the rowwise layout of the fusable quantizers (per-expert tensor scales, or
+    one per token; no stochastic rounding): the reference, fused with its input's producer (a
+    deployed W8A8 / FP8 experts GEMM quantizes its input on every call)."""
+    if columnwise or seed is not None or not quantize_decomposes(x, quantizer) or quantizer.hadamard_transformed():
+        return NotImplemented
+    return _grouped_quantize(x, quantizer, ends, amax, seed, columnwise)
+
+
+register_decomposition("grouped_quantize", _grouped_quantize_decomposition)
 
 
 def _dequantize_grouped(
@@ -459,6 +492,7 @@ def grouped_dequantize(
 
 @grouped_dequantize.register_fake
 def _grouped_dequantize_fake(data, scale_inv, amax, quantizer, ends, out_dtype):
+    register_inductor_decompositions()  # traced: hand inductor the decompositions (tqcompile.ops.inductor)
     return data.new_empty(quantizer.logical_shape(data.shape), dtype=out_dtype)
 
 

@@ -38,7 +38,7 @@ from tqcompile.formats import Format
 from tqcompile.kernels import reference
 from tqcompile.quantizers import Granularity
 
-__all__ = ["register_inductor_decompositions", "register_decomposition", "dequantize_decomposes"]
+__all__ = ["register_inductor_decompositions", "register_decomposition", "dequantize_decomposes", "quantize_decomposes"]
 
 
 def _fusable(q) -> bool:
@@ -65,8 +65,14 @@ def _on_cuda_only_int(t: torch.Tensor, quantizer) -> bool:
     return t.device.type != "cuda" or quantizer.element_format().is_int
 
 
+def quantize_decomposes(x: torch.Tensor, quantizer) -> bool:
+    """Whether inductor gets the reference quantization (and amax) of `x`: the fusable layouts
+    (`_fusable`), on CUDA integer formats only."""
+    return _fusable(quantizer) and _on_cuda_only_int(x, quantizer)
+
+
 def _quantize(x, quantizer, amax, seed, flat_scale=False):
-    if not (_fusable(quantizer) and _on_cuda_only_int(x, quantizer)):
+    if not quantize_decomposes(x, quantizer):
         return NotImplemented
     data, scale_inv = reference.quantize(x, quantizer, amax, seed)
     return data, scale_inv.reshape(-1) if flat_scale else scale_inv
