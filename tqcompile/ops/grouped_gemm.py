@@ -50,7 +50,12 @@ import torch
 from tqcompile.kernels import reference
 from tqcompile.kernels.reference import transformed
 from tqcompile.ops.gemm import gemm_tn
-from tqcompile.ops.inductor import dequantize_decomposes, quantize_decomposes, register_decomposition, register_inductor_decompositions
+from tqcompile.ops.inductor import (
+    dequantize_decomposes,
+    quantize_decomposes,
+    register_decomposition,
+    register_inductor_decompositions,
+)
 from tqcompile.quantizers import Granularity, Quantizer
 from tqcompile.quantizers.scaling import finite_abs
 
