@@ -119,9 +119,10 @@ class _ExpertsPacked(ExpertsRouting):
     input quantized as calibrated and its packed weight dequantized (``dequantize``: exactly the
     calibrated model's computation).
 
-    Dequantizing with fewer routed rows than experts (decoding: a token's top-k of E experts) only the routed
-    experts' weights are dequantized, one per row, each row's group ending where its expert's does:
-    the same GEMM per expert as over the whole weight, so the same result, bit for bit."""
+    Dequantizing with fewer routed rows than experts (decoding: a token's top-k of E experts),
+    only the routed experts' weights are dequantized, one per row, each row's group ending where
+    its expert's does: the same GEMM per expert as over the whole weight, so the same result, bit
+    for bit."""
 
     tq_class_prefix = "Packed"
     tq_kernel = "dequantize"
@@ -157,7 +158,7 @@ class _ExpertsPacked(ExpertsRouting):
 class DeployedLayer:
     """One layer of a compressed model: its name, kernel (`tqcompile.deploy.kernels.KERNELS`,
     "dequantized" for the float fallback, or "fp8 kv cache" for an attention), why, and the bytes
-    its weight holds in memory."""
+    its weight holds in memory (with the INT8 weight-only kernel's scales kept beside it)."""
 
     name: str
     kernel: str
@@ -351,7 +352,8 @@ def deployed_layers(model: nn.Module) -> list[DeployedLayer]:
         if isinstance(module, _HFAttentionKV) and isinstance(module, PackedModule):
             rows.append(DeployedLayer(name, module.tq_kernel, module.tq_kernel_reason, 0))
         elif isinstance(module, _LinearPacked):
-            rows.append(DeployedLayer(name, module.tq_kernel, module.tq_kernel_reason, _bytes(module.weight)))
+            extra = module._buffers.get("weight_kernel_scale")  # INT8 weight-only: the kernel's scales
+            rows.append(DeployedLayer(name, module.tq_kernel, module.tq_kernel_reason, _bytes(module.weight) + (0 if extra is None else _bytes(extra))))
         elif isinstance(module, _ExpertsPacked):
             for g in module.tq_experts_layout.gemms:
                 w, unit = module._parameters[g.weight], module._modules[f"{g.weight}_gemm"]
