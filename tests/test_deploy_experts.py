@@ -215,3 +215,17 @@ def test_the_experts_kernel_rule():
     assert experts_kernel(tq.Float8Quantizer(), tq.Float8Quantizer(), (8, 128, 256), "cpu")[0] == "dequantize"
     with pytest.raises(ValueError, match="kernel='int_mm'; allowed"):
         experts_mm.experts_weight_only_mm(torch.randn(2, 8), torch.zeros(1, 4, 8, dtype=torch.int8), torch.ones(1, 4), torch.ones(1, 4, 1), int8, torch.tensor([2]), "int_mm", 64)
+
+
+@pytest.mark.parametrize("preset, algorithm", [("int4_weight_only", "gptq"), ("int4_weight_only", "awq"), ("int8", "smoothquant")])
+def test_experts_made_by_the_ptq_algorithms_run_the_kernels(preset, algorithm):
+    """GPTQ's rounded expert weights, AWQ's and SmoothQuant's folded scales: the compressed experts
+    run the integer kernels and compute the calibrated logits (float32: within 1e-5)."""
+    m = tiny_hf_moe("mixtral", num_experts=8, layers=1, hidden=128, intermediate=128)
+    tq.calibrate(m, experts_only(preset), lambda mm: mm(IDS), algorithm=algorithm, progress=False)
+    with torch.no_grad():
+        ref = m(IDS).logits
+        tq.compress(m)
+        out = m(IDS).logits
+    assert [r.kernel for r in tq.deploy.deployed_layers(m)] == [KERNEL[preset]] * 2
+    assert float((out - ref).norm() / ref.norm()) < 1e-5
