@@ -428,6 +428,42 @@ def test_mx_weights_hold_their_scales_as_bits():
         tq.deploy.MXPackedTensor.from_quantized(tq.quantize(torch.randn(8, 32), tq.NVFP4Quantizer()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_weights_hold_their_codes_in_two_halves(dtype):
+    """A deployed MXFP4 weight (`MXFP4PackedTensor`) holds each row's byte j as elements j (low
+    nibble) and j + K/2 (high), for inductor: the same codes as tq's payload (elements 2j, 2j + 1),
+    the calibrated weight bit for bit, eager and compiled with inductor (no opaque op), at routed
+    rows too; a state_dict in tq's order (a `QuantizedTensor`, or an `MXPackedTensor` saved
+    before this class) loads into it reordered."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tqcompile.formats.codec import unpack_codes
+
+    m = calibrated("mxfp4_weight_only", dtype)
+    q_proj = m.model.layers[0].self_attn.q_proj
+    before = q_proj.weight_quantizer(q_proj.weight.detach())
+    ref = logits(m)
+    tq.compress(m)
+    w = q_proj.weight
+    assert type(w) is tq.deploy.MXFP4PackedTensor and w._data.shape == (128, 64)
+    assert torch.equal(w.dequantize(), before) and torch.equal(logits(m), ref)
+    # The codes in element order are the two halves; packed in tq's order they dequantize the same.
+    ours = torch.cat((w._data & 15, w._data >> 4), -1)
+    tq_data = ours[:, 0::2] | (ours[:, 1::2] << 4)
+    tq_payload = tq.deploy.MXPackedTensor.from_quantized(tq.QuantizedTensor(w.shape, w.quantizer, w.orig_dtype, _data=tq_data, _scale_inv=w.scale_e8m0))
+    assert torch.equal(unpack_codes(tq_payload._data, 4), ours) and torch.equal(tq_payload.dequantize(), before)
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(lambda t: t.dequantize(), fullgraph=True), w)
+    assert torch.equal(out, before) and "torch.ops.tqcompile" not in "\n".join(code)
+    with torch.no_grad():
+        w._data.bitwise_xor_(0x11)  # every code changed: each copy must bring them back
+        w.copy_(tq_payload)  # an MXPackedTensor in tq's order (saved before this class)
+        assert torch.equal(w.dequantize(), before)
+        w._data.bitwise_xor_(0x11)
+        w.copy_(tq.QuantizedTensor(w.shape, w.quantizer, w.orig_dtype, _data=tq_payload._data.clone(), _scale_inv=w.scale_e8m0.clone()))
+    assert torch.equal(w.dequantize(), before)
+
+
 # --- MoE experts ------------------------------------------------------------------------------
 def moe(kind: str) -> nn.Module:
     if kind == "mixtral":

@@ -17,6 +17,7 @@ from tqcompile.calibration import AWQ, GPTQ, SmoothQuant, calibrate, quant_state
 from tqcompile.conversion import convert
 from tqcompile.deploy import Int4PackedCPUTensor as _Int4PackedCPUTensor
 from tqcompile.deploy import Int4PackedCUDATensor as _Int4PackedCUDATensor
+from tqcompile.deploy import MXFP4PackedTensor as _MXFP4PackedTensor
 from tqcompile.deploy import MXPackedTensor as _MXPackedTensor
 from tqcompile.deploy import compress
 from tqcompile.export import load_exported
@@ -77,4 +78,4 @@ __all__ = [
 
 # Let `torch.load(..., weights_only=True)` rebuild QuantizedTensors (a compressed model's packed ones too), recipes and quantizers (every
 # registered family, and the enums their fields hold).
-_torch.serialization.add_safe_globals([QuantizedTensor, _GroupedQuantizedTensor, _Int4PackedCPUTensor, _Int4PackedCUDATensor, _MXPackedTensor, Recipe, Format, Granularity, ScaleRounding, IntGrid, *_quantizer_families()])
+_torch.serialization.add_safe_globals([QuantizedTensor, _GroupedQuantizedTensor, _Int4PackedCPUTensor, _Int4PackedCUDATensor, _MXPackedTensor, _MXFP4PackedTensor, Recipe, Format, Granularity, ScaleRounding, IntGrid, *_quantizer_families()])

@@ -8,9 +8,9 @@ from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
 from tqcompile.deploy.int4_cuda import Int4PackedCUDATensor
 from tqcompile.deploy.kernels import KERNELS, experts_kernel, linear_kernel  # KERNELS, FALLBACKS: importable, not advertised
 from tqcompile.deploy.modules import FALLBACKS, DeployedLayer, compress, deployed_layers
-from tqcompile.deploy.mx_packed import MXPackedTensor
+from tqcompile.deploy.mx_packed import MXFP4PackedTensor, MXPackedTensor
 
-__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "experts_kernel", "Int4PackedCPUTensor", "Int4PackedCUDATensor", "MXPackedTensor", "quantized_kv_cache", "kv_cache_bytes"]
+__all__ = ["compress", "deployed_layers", "DeployedLayer", "linear_kernel", "experts_kernel", "Int4PackedCPUTensor", "Int4PackedCUDATensor", "MXPackedTensor", "MXFP4PackedTensor", "quantized_kv_cache", "kv_cache_bytes"]
 
 # The FP8 KV cache subclasses Hugging Face's cache classes: imported on first use, so that
 # tqcompile imports without transformers.
