@@ -132,6 +132,7 @@ VARIANTS = {
     "tq-fp8 dequantized": tq_variant("fp8", True, "dequantized"),
     "tq-mxfp8 packed": tq_variant("mxfp8", True),
     "tq-mxfp6 packed": tq_variant("mxfp6", True),
+    "tq-mxfp4_weight_only packed": tq_variant("mxfp4_weight_only", True),
     "tq-nvfp4 packed": tq_variant("nvfp4", True),
     "tq-nvfp4 dequantized": tq_variant("nvfp4", True, "dequantized"),
     "torchao int8 weight-only": torchao_variant("int8wo"),
