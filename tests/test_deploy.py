@@ -461,7 +461,10 @@ def test_mxfp4_weights_hold_their_codes_in_two_halves(dtype):
         assert torch.equal(w.dequantize(), before)
         w._data.bitwise_xor_(0x11)
         w.copy_(tq.QuantizedTensor(w.shape, w.quantizer, w.orig_dtype, _data=tq_payload._data.clone(), _scale_inv=w.scale_e8m0.clone()))
-    assert torch.equal(w.dequantize(), before)
+        assert torch.equal(w.dequantize(), before)
+        back = tq.deploy.MXPackedTensor(w.shape, w.quantizer, w.orig_dtype, None, _data=torch.zeros_like(tq_data), _scale_inv=w._scale_inv.clone())
+        back.copy_(w)  # and back into tq's order
+    assert torch.equal(back._data, tq_data) and torch.equal(back.dequantize(), before)
 
 
 # --- MoE experts ------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class MXPackedTensor(QuantizedTensor):
 
     @staticmethod
     def _payload_of(qt: QuantizedTensor) -> torch.Tensor:
-        return qt._data
+        return _tq_order(qt._data) if isinstance(qt, MXFP4PackedTensor) else qt._data
 
     @property
     def scale_e8m0(self) -> torch.Tensor:
@@ -95,8 +95,10 @@ class MXPackedTensor(QuantizedTensor):
                 raise NotImplementedError(
                     f"{cls.__name__}.copy_ from {type(src).__name__}: load a state_dict saved from a deployed model (tq.compress)"
                 )
-            if type(src) is not cls and holds_e8m0_scales(src):  # its scales as bits, its payload in this class's order
-                src = cls.from_quantized(src)
+            # Its scales as bits, its payload in the destination's order (`type(dst)`: torch dispatches
+            # a mix of the two classes to the subclass's handler, whatever the destination).
+            if type(src) is not type(dst) and isinstance(dst, MXPackedTensor) and holds_e8m0_scales(src):
+                src = type(dst).from_quantized(src)
             return _HANDLERS[func](func, (dst, src), kwargs)
         return _HANDLERS[func](func, args, kwargs)
 
@@ -107,6 +109,12 @@ def _split_order(payload: torch.Tensor) -> torch.Tensor:
     codes = torch.stack((payload & 15, payload >> 4), -1).flatten(-2)
     half = codes.shape[-1] // 2
     return (codes[..., :half] | (codes[..., half:] << 4)).contiguous()
+
+
+def _tq_order(split: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_split_order`."""
+    codes = torch.cat((split & 15, split >> 4), -1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
 class MXFP4PackedTensor(MXPackedTensor):
