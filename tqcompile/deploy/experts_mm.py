@@ -15,7 +15,7 @@ bound: its int32 sums are exact at any size.
 The segments are data (the routing), so the loop runs inside a custom op with a fake kernel:
 ``torch.compile(fullgraph=True)`` traces it as one opaque call (no graph break, no recompile per
 routing). Its numerics are the dense kernels' (scales in the activation dtype; the bound is in
-docs/deploy.md and checked in tests/test_deploy.py).
+docs/deploy.md and checked per expert in tests/test_deploy_experts.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def experts_weight_only_mm(
             `max_m` rows); unused for INT4.
         quantizer: the weight's quantizer.
         ends: (E,) cumulative ends of the experts' segments.
-        kernel: one of `EXPERTS_KERNELS`.
+        kernel: ``int8pack_mm`` or ``int4pack_mm``.
         max_m: the most rows an expert's segment runs through the kernel; more run ``F.linear``
             on the expert's dequantized weight.
     """
@@ -74,8 +74,8 @@ def experts_weight_only_mm(
         raise ValueError(f"experts_weight_only_mm: kernel={kernel!r}; allowed: {_WEIGHT_ONLY}")
     n = data.shape[1]
     out = x.new_zeros(x.shape[0], n)
-    if kernel == "int8pack_mm" and kernel_scale.dtype != x.dtype:  # autocast: the kernel takes scales in x's dtype
-        kernel_scale = kernel_scale.to(x.dtype)
+    # The kernels take their scales in x's dtype (a cast only under autocast, as a dense layer's).
+    s = kernel_scale if kernel_scale.dtype == x.dtype else kernel_scale.to(x.dtype)
     block = data.shape[2] * 2 // kernel_scale.shape[1] if kernel == "int4pack_mm" else 0
     lo = 0
     for e, hi in enumerate(ends.tolist()):
@@ -84,10 +84,9 @@ def experts_weight_only_mm(
             if hi - lo > max_m:
                 out[lo:hi] = F.linear(xs, _expert_dequantized(data, kernel_scale, scale_inv, quantizer, kernel, e, x.dtype))
             elif kernel == "int8pack_mm":
-                out[lo:hi] = torch._weight_int8pack_mm(xs, data[e], kernel_scale[e])
+                out[lo:hi] = torch._weight_int8pack_mm(xs, data[e], s[e])
             else:
-                s = kernel_scale[e] if kernel_scale.dtype == x.dtype else kernel_scale[e].to(x.dtype)
-                out[lo:hi] = torch._weight_int4pack_mm_for_cpu(xs, data[e], block, s)
+                out[lo:hi] = torch._weight_int4pack_mm_for_cpu(xs, data[e], block, s[e])
         lo = max(lo, hi)
     return out
 

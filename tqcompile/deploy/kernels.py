@@ -160,10 +160,10 @@ def linear_kernel(
 def experts_kernel(
     weight_q: Quantizer, input_q: Quantizer | None, shape: tuple[int, int, int], device: torch.device | str, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[str, str]:
-    """(kernel, why) for a deployed experts GEMM of (E, N, K) weight `shape`: the CPU integer
-    kernels (INT8 weight-only, INT4 weight-only, W8A8) where `linear_kernel` gives a dense (N, K) layer of the same quantizers one, called per
-    routed expert (`tqcompile.deploy.experts_mm`); otherwise ``dequantize`` (the routed experts'
-    packed weights dequantized per call; no grouped integer or FP8 kernel is used yet)."""
+    """(kernel, why) for a deployed experts GEMM of (E, N, K) weight `shape`: the CPU's integer
+    kernels (INT8 weight-only, INT4 weight-only, W8A8) where `linear_kernel` gives one to a dense
+    (N, K) layer of the same quantizers, called per routed expert (`tqcompile.deploy.experts_mm`);
+    otherwise ``dequantize`` (the routed experts' packed weights dequantized per call)."""
     kernel, why = linear_kernel(weight_q, input_q, shape[1:], device, dtype)
     if torch.device(device).type == "cpu" and kernel in ("int8pack_mm", "int4pack_mm", "int_mm"):
         return kernel, f"{why}: one kernel call per expert with rows"
