@@ -37,7 +37,7 @@ from tqcompile.deploy.experts_mm import EXPERTS_KERNELS, experts_int_mm, experts
 from tqcompile.deploy.int4_cpu import Int4PackedCPUTensor
 from tqcompile.deploy.int4_cuda import Int4PackedCUDATensor
 from tqcompile.deploy.kernels import _WEIGHT_ONLY_MAX_M, experts_kernel, int4_kernel_block, linear_kernel, packed_linear
-from tqcompile.deploy.mx_packed import MXPackedTensor, holds_e8m0_scales, mx_packed
+from tqcompile.deploy.mx_packed import MXFP4PackedTensor, holds_e8m0_scales, mx_packed
 from tqcompile.deploy.packed import PackedModule
 from tqcompile.nn.experts import ExpertsRouting
 from tqcompile.ops import grouped_gemm as gops
@@ -96,7 +96,7 @@ def _routed_gemm_weight(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | No
         return gops.grouped_dequantize(data, s, w._amax[ids], w.quantizer, ends, w.orig_dtype).view(r, n, k)
     if w._data.shape[0] != e or w._scale_inv.dim() < 2 or w._scale_inv.shape[0] != e or (w._amax is not None and w._amax.dim() > 0):
         return None
-    if isinstance(w, MXPackedTensor):  # its own payload order (MXFP4PackedTensor)
+    if isinstance(w, MXFP4PackedTensor):  # its own payload order
         return w.dequantize_at(ids)
     return ops.dequantize(w._data[ids], w._scale_inv[ids], w._amax, w.quantizer, w.orig_dtype)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from tqcompile.formats import Format
-from tqcompile.quantizers import geometry
+from tqcompile.formats.codec import pack_codes, unpack_codes
 from tqcompile.quantizers.scaling import saturate
 from tqcompile.tensor import _HANDLERS, QuantizedTensor
 
@@ -74,13 +74,6 @@ class MXPackedTensor(QuantizedTensor):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.orig_dtype}, {self.quantizer!r})"
 
-    def dequantize_at(self, index: torch.Tensor) -> torch.Tensor:
-        """The dequantized rows ``index`` of the leading dim (an experts weight's routed experts),
-        equal to those rows of `dequantize`."""
-        from tqcompile import ops
-
-        return ops.dequantize(self._data[index], self._scale_inv[index], self._amax, self.quantizer, self.orig_dtype)
-
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,18 +96,22 @@ class MXPackedTensor(QuantizedTensor):
         return _HANDLERS[func](func, args, kwargs)
 
 
+def _codes(split: torch.Tensor) -> torch.Tensor:
+    """The codes in element order of a payload in split order: its two halves."""
+    return torch.cat((split & 15, split >> 4), -1)
+
+
 def _split_order(payload: torch.Tensor) -> torch.Tensor:
     """tq's 4-bit payload (byte j: elements 2j low, 2j + 1 high) -> byte j: elements j low and
     j + K/2 high, along the last dim (K elements)."""
-    codes = torch.stack((payload & 15, payload >> 4), -1).flatten(-2)
+    codes = unpack_codes(payload, 4)
     half = codes.shape[-1] // 2
     return (codes[..., :half] | (codes[..., half:] << 4)).contiguous()
 
 
 def _tq_order(split: torch.Tensor) -> torch.Tensor:
     """The inverse of `_split_order`."""
-    codes = torch.cat((split & 15, split >> 4), -1)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    return pack_codes(_codes(split), 4).contiguous()
 
 
 class MXFP4PackedTensor(MXPackedTensor):
@@ -139,15 +136,15 @@ class MXFP4PackedTensor(MXPackedTensor):
         return self._decode(self._data, self._scale_inv, dtype or self.orig_dtype)
 
     def dequantize_at(self, index: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ``index`` of the leading dim (an experts weight's routed experts),
+        equal to those rows of `dequantize`."""
         return self._decode(self._data[index], self._scale_inv[index], self.orig_dtype)
 
     def _decode(self, data: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`MXQuantizer.reference_dequantize` and `reference.dequantize`'s saturation, on the codes
-        in element order (the two halves of the bytes)."""
-        q = self.quantizer
-        codes = torch.cat((data & 15, data >> 4), -1)
-        scales = geometry.expand(Format.E8M0.codec.decode(bits), codes.shape, q.layout())
-        return saturate(q.element_format().codec.decode(codes) * scales, dtype)
+        """`reference.dequantize` (the quantizer's dequantization, then saturation) on the codes in
+        element order, the two halves of the bytes."""
+        codes = _codes(data)
+        return saturate(self.quantizer.dequantize_codes(codes, bits, codes.shape), dtype)
 
 
 def mx_packed(qt: QuantizedTensor) -> MXPackedTensor:

@@ -97,5 +97,9 @@ class MXQuantizer(Quantizer):
         return codec.pack(codec.encode(v)), scale_e8m0
 
     def reference_dequantize(self, data, scale_inv, amax, shape) -> torch.Tensor:
-        codec = self.format.codec
-        return codec.decode(codec.unpack(data)) * geometry.expand(Format.E8M0.codec.decode(scale_inv), shape, self.layout())
+        return self.dequantize_codes(self.format.codec.unpack(data), scale_inv, shape)
+
+    def dequantize_codes(self, codes: torch.Tensor, scale_inv: torch.Tensor, shape) -> torch.Tensor:
+        """`reference_dequantize` of the codes already unpacked (in element order): what a deployed
+        weight holding its codes in another byte order computes (`tq.deploy.MXFP4PackedTensor`)."""
+        return self.format.codec.decode(codes) * geometry.expand(Format.E8M0.codec.decode(scale_inv), shape, self.layout())
