@@ -91,6 +91,8 @@ class AmaxObserver:
             return  # dynamic scales need no statistics; none are allocated while weight transforms run
         if x.numel() == 0:
             return
+        if self.stat_max.device != x.device:  # a module holding no tensor (an experts GEMM unit) started on the CPU
+            self.stat_max = self.stat_max.to(x.device)
         with torch.no_grad():
             if not bool(torch.isfinite(x).all()):
                 bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
