@@ -345,7 +345,7 @@ def test_gemm_of_fp32_max_operand_is_finite(granularity):
     assert_bitwise_equal(gemm_tn(*a, q, *b, q, torch.float32), expected)
 
 
-@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE])
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, "e5m2"])
 @pytest.mark.parametrize("m", [1, 5, 16, 17])
 def test_scaled_mm_with_rows_padded_to_16_equals_the_unpadded_product(m, granularity):
     """CUDA's `_scaled_mm` wants M % 16 == 0: `_scaled_mm_padded` adds zero rows (scale 1) and
@@ -355,10 +355,32 @@ def test_scaled_mm_with_rows_padded_to_16_equals_the_unpadded_product(m, granula
 
     if granularity is G.ROWWISE and not _CPU_SCALED_MM_ROWWISE:
         pytest.skip("torch < 2.13: CPU _scaled_mm takes per-tensor scales only")
-    q = tq.Float8Quantizer(granularity=granularity)
+    q = tq.Float8Quantizer(granularity=granularity) if granularity != "e5m2" else tq.Float8Quantizer(tq.Format.E5M2)
     torch.manual_seed(m)
-    a, b = tq.quantize(torch.randn(m, 64), q).usage(False), tq.quantize(torch.randn(32, 64), q).usage(False)
+    a = tq.quantize(torch.randn(m, 64), q).usage(False)
+    b = tq.quantize(torch.randn(32, 64), q if granularity != "e5m2" else tq.Float8Quantizer()).usage(False)
     got = _scaled_mm_padded(a[0], a[1], b[0], b[1], torch.bfloat16)
     want = torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1].t(), out_dtype=torch.bfloat16)
     assert got.shape == (m, 32)
     assert_bitwise_equal(got, want)
+
+
+def test_scaled_mm_gets_16_byte_aligned_scales(monkeypatch):
+    """cuBLAS refused an FP8 GEMM whose scale was an expert's element of an (E,) tensor (an 8-byte
+    offset: CUBLAS_STATUS_NOT_SUPPORTED on an H200, fp8_tensorwise experts' dgrad): `_scaled_mm_padded`
+    hands `torch._scaled_mm` scales at 16-byte aligned addresses, the values unchanged."""
+    from tqcompile.ops.gemm import _scaled_mm_padded
+
+    real, seen = torch._scaled_mm, []
+
+    def checked(a, b, scale_a, scale_b, **kw):
+        seen.append((scale_a.data_ptr() % 16, scale_b.data_ptr() % 16))
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    q = tq.Float8Quantizer()
+    a, b = tq.quantize(torch.randn(16, 64), q).usage(False), tq.quantize(torch.randn(32, 64), q).usage(False)
+    scales = torch.tensor([1.0, 2.0, a[1].item(), b[1].item()])  # per-expert scales; experts 2 and 3 at offsets 8, 12
+    got = _scaled_mm_padded(a[0], scales[2], b[0], scales[3], torch.bfloat16)
+    assert seen == [(0, 0)]
+    assert_bitwise_equal(got, real(a[0], b[0].t(), scale_a=a[1], scale_b=b[1], out_dtype=torch.bfloat16))

@@ -67,6 +67,10 @@ def _scaled_mm_padded(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype) -> to
     (each output row depends on its own row of `a` only)."""
     m = a_data.shape[0]
     pad = -m % 16
+    # cuBLAS reads a scale through its pointer and refuses one that is not 16-byte aligned
+    # (CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11): an expert's scale viewed out of an (E,) tensor.
+    a_scale_inv = a_scale_inv if a_scale_inv.data_ptr() % 16 == 0 else a_scale_inv.clone()
+    b_scale_inv = b_scale_inv if b_scale_inv.data_ptr() % 16 == 0 else b_scale_inv.clone()
     if pad:
         a_data = torch.nn.functional.pad(a_data.view(torch.uint8), (0, 0, 0, pad)).view(a_data.dtype)  # byte 0: +0.0
         if a_scale_inv.dim() == 2:  # one scale a row
