@@ -229,3 +229,65 @@ def test_experts_made_by_the_ptq_algorithms_run_the_kernels(preset, algorithm):
         out = m(IDS).logits
     assert [r.kernel for r in tq.deploy.deployed_layers(m)] == [KERNEL[preset]] * 2
     assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+# --- FP8 experts on CUDA's grouped FP8 GEMM (the op replaced by its exact product here) ----------
+def _exact_scaled_grouped_mm(calls):
+    """`torch._scaled_grouped_mm`'s contract, exactly: a (T, K) and b (E, K, N) E4M3 codes, scale_a
+    (T,) and scale_b (E, N) fp32, token segments `offs`; the fp64 product rounded once."""
+
+    def op(a, b, scale_a, scale_b, offs=None, out_dtype=None, **_):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and scale_a.shape == a.shape[:1] and scale_b.shape == (b.shape[0], b.shape[2])
+        assert b.stride(-2) == 1  # column-major per expert, as CUDA's kernel wants
+        calls.append(a.shape[0])
+        ids = gops.expert_ids(offs.long(), a.shape[0])
+        w = b.double() * scale_b.double()[:, None, :]
+        return torch.einsum("tk,tkn->tn", a.double() * scale_a.double()[:, None], w[ids]).to(out_dtype)
+
+    return op
+
+
+@pytest.mark.parametrize("weight_rows", [False, True], ids=["per-tensor", "per-row"])
+def test_fp8_experts_run_one_scaled_grouped_mm_on_hopper(weight_rows, monkeypatch):
+    """Where CUDA's grouped FP8 GEMM runs (Hopper/Blackwell: `cuda_grouped_gemms`, patched true
+    here, with the op as its exact contract), FP8 E4M3 experts take ``scaled_grouped_mm``: one call
+    a GEMM, each row's input codes as calibrated times its expert's (or its own) scale and the
+    weight's (E, N) scales; every row of a bf16 experts GEMM within the output's rounding (2^-8
+    |y|) of the exact product of its expert's quantized operands, and the logits within 2^-5 of
+    the calibrated model's (whose operands are rounded to bf16 first), compiled as eager. On the
+    GPU: tests/test_cuda.py::test_moe_experts_compress_and_compile_on_cuda."""
+    calls = []
+    monkeypatch.setattr(gops, "cuda_grouped_gemms", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _exact_scaled_grouped_mm(calls), raising=False)
+    from tqcompile.calibration import QuantConfig, QuantRule
+
+    q = tq.Float8Quantizer(tq.Format.E4M3, tq.Granularity.ROWWISE if weight_rows else tq.Granularity.TENSORWISE)
+    fp8 = QuantRule(module_types=tq.configs.GEMM_LAYERS, input=tq.Float8Quantizer(tq.Format.E4M3), weight=q)
+    keep = QuantRule.disable(module_types=(nn.Linear,), must_match=False)  # the experts alone
+    m = tiny_hf_moe("mixtral", num_experts=8, layers=1, hidden=128, intermediate=128).to(torch.bfloat16)
+    tq.calibrate(m, QuantConfig((fp8, keep)), lambda mm: mm(IDS), progress=False)
+    ex = experts_of(m)
+    unit = ex._modules["gate_up_proj_gemm"]
+    counts = torch.tensor([3, 0, 1, 7, 15, 2, 0, 4])
+    ends = torch.cumsum(counts, 0)
+    x = torch.randn(int(counts.sum()), 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    steps = [IDS, torch.tensor([[5]]), torch.tensor([[5], [9], [77]])]
+    with torch.no_grad():
+        xq, wq = exact_input(unit.input_quantizer, x, ends), exact_weight(unit.weight_quantizer, unit.weight)
+        ids = gops.expert_ids(ends, x.shape[0])
+        exact = torch.einsum("rk,rnk->rn", xq, wq[ids])
+        refs = [m(i).logits.float() for i in steps]
+        tq.compress(m)
+        assert [r.kernel for r in tq.deploy.deployed_layers(m) if r.name.endswith("_gemm")] == ["scaled_grouped_mm"] * 2
+        calls.clear()
+        deployed = ex._expert_gemm(0, x, counts)
+        assert calls == [x.shape[0]]
+        assert bool(((deployed.double() - exact).abs() <= 2.0**-8 * exact.abs()).all())
+        outs = [m(i).logits.float() for i in steps]
+        for out, ref in zip(outs, refs):
+            assert float((out - ref).norm() / ref.norm()) < 2.0**-5
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+        for i, out in zip(steps, outs):
+            assert torch.equal(compiled(i).logits.float(), out)
+

@@ -398,3 +398,35 @@ def test_delayed_scaling_one_window_per_expert():
     y_dense = experts(x)
     y_grouped = experts(x.reshape(-1, K), torch.full((E,), 8))
     assert torch.equal(y_dense.reshape(-1, N), y_grouped) and torch.equal(experts.amax_history_input, before)
+
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_rowwise"])
+def test_hopper_fprop_and_dgrad_run_one_scaled_grouped_mm(name, monkeypatch):
+    """Where CUDA's grouped FP8 GEMM runs (`cuda_grouped_gemms`, patched true here; the op replaced
+    by its contract, the exact product of codes times scales rounded once to bf16), bf16 training
+    of E4M3 per-tensor / per-row experts runs fprop and dgrad (E4M3 gradients) as one
+    `torch._scaled_grouped_mm` each (each row's scale its expert's or its own, weight scales (E, N)): y and dx within the bf16
+    rounding of the per-expert loop (which rounds the same exact product once: `fp8_gemm_cpu`),
+    dW the loop's bit for bit (the weight gradient keeps the loop). On the GPU: tests/test_cuda.py."""
+    calls = []
+
+    def exact(a, b, scale_a, scale_b, offs=None, out_dtype=None, **_):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and b.stride(-2) == 1
+        calls.append(a.shape[0])
+        ids = gops.expert_ids(offs.long(), a.shape[0])
+        return torch.einsum("tk,tkn->tn", a.double() * scale_a.double()[:, None], (b.double() * scale_b.double()[:, None, :])[ids]).to(out_dtype)
+
+    torch.manual_seed(0)
+    experts = tq.nn.GroupedLinear(E, K, N, recipe=tq.recipes.get(name), dtype=torch.bfloat16)
+    m_splits = [32, 0, 5, 27]
+    x, dy = (t.bfloat16() for t in _data(sum(m_splits), seed=9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _step(experts, x, dy, torch.tensor(m_splits))
+        monkeypatch.setattr(gops, "cuda_grouped_gemms", lambda device: True)
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", exact, raising=False)
+        got = _step(experts, x, dy, torch.tensor(m_splits))
+    # fprop, and dgrad where the gradient is E4M3 (fp8_tensorwise's E5M2 gradients keep the loop)
+    assert calls == ([64, 64] if name == "fp8_rowwise" else [64])
+    for what, g, r in zip(("y", "dx"), got, ref):
+        assert bool(((g.double() - r.double()).abs() <= 2.0**-8 * r.double().abs()).all()), what
+    assert_bitwise_equal(got[2], ref[2], "dW")

@@ -23,8 +23,10 @@ The weight-only kernels are matrix-vector kernels: a call of more tokens than th
 
 An experts GEMM ((E, N, K) weights) takes the CPU rows of this table (``int_mm``, ``int8pack_mm``,
 ``int4pack_mm``) where its dense (N, K) layer would, called per expert with rows, the bound
-applying per expert (`experts_kernel`, `tqcompile.deploy.experts_mm`); every other experts GEMM
-dequantizes its routed experts.
+applying per expert (`experts_kernel`, `tqcompile.deploy.experts_mm`); on CUDA's Hopper and
+Blackwell, FP8 E4M3 experts (per tensor or per row, both operands, bfloat16) run
+``scaled_grouped_mm``, one ``torch._scaled_grouped_mm`` for all experts (each row's scale its
+expert's or its own; K, N % 16); every other experts GEMM dequantizes its routed experts.
 
 ``int8_triton`` (CUDA, INT8 weight-only: ``tqcompile::int8_weight_only_mm``, a Triton kernel that
 reads the int8 weight, `tqcompile.kernels.triton.int8_mm`) is built and tested (interpreted, and
@@ -55,7 +57,7 @@ from tqcompile.quantizers import Granularity, Quantizer
 
 __all__ = ["KERNELS", "linear_kernel", "experts_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS", "int4_kernel_block"]
 
-KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "int8_triton", "dequantize")
+KERNELS = ("int_mm", "int8pack_mm", "int4pack_mm", "scaled_mm", "scaled_grouped_mm", "int8_triton", "dequantize")
 # The most tokens a call of CUDA's INT4 kernel takes; more run the dequantized weight through
 # F.linear (tensor cores). Measured on an H200 (torch 2.11, a 14336 x 4096 bf16 layer): tinygemm
 # 22-24 us at M = 1 (1.7-1.9x bf16's 40 us), 72 us at M = 16, 1036 us at M = 256 and 16.4 ms at
@@ -163,10 +165,17 @@ def experts_kernel(
     """(kernel, why) for a deployed experts GEMM of (E, N, K) weight `shape`: the CPU's integer
     kernels (INT8 weight-only, INT4 weight-only, W8A8) where `linear_kernel` gives one to a dense
     (N, K) layer of the same quantizers, called per routed expert (`tqcompile.deploy.experts_mm`);
-    otherwise ``dequantize`` (the routed experts' packed weights dequantized per call)."""
+    FP8 E4M3 experts on CUDA's Hopper/Blackwell ``scaled_grouped_mm`` (one
+    ``torch._scaled_grouped_mm`` over every expert); otherwise ``dequantize`` (the routed
+    experts' packed weights dequantized per call)."""
+    from tqcompile.ops.grouped_gemm import scaled_grouped_mm_applies
+
     kernel, why = linear_kernel(weight_q, input_q, shape[1:], device, dtype)
     if torch.device(device).type == "cpu" and kernel in ("int8pack_mm", "int4pack_mm", "int_mm"):
         return kernel, f"{why}: one kernel call per expert with rows"
+    _, n, k = shape
+    if input_q is not None and scaled_grouped_mm_applies(input_q, weight_q, k, n, torch.device(device), dtype):
+        return "scaled_grouped_mm", "FP8 E4M3 per tensor or per row, bfloat16, on Hopper/Blackwell: one torch._scaled_grouped_mm"
     return "dequantize", "experts GEMM: no per-expert kernel for this format on this device; the routed experts' packed weights dequantized per call (exact)"
 
 

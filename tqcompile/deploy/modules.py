@@ -11,8 +11,9 @@ module keeps its quantizers (input and output amaxes, the weight's method), so `
 Experts modules (fused 3-D expert weights) keep their routing; each GEMM's weight is packed per
 expert in the GEMM's (experts, out, in) view under the parameter's name. INT8 (weight-only or
 W8A8) and INT4 weight-only GEMMs on the CPU call the dense layers' kernels once per expert with
-rows (`tqcompile.deploy.experts_mm`, `kernels.experts_kernel`); every other one dequantizes its
-routed experts' packed weights per call (exact; half or a quarter of the bytes).
+rows (`tqcompile.deploy.experts_mm`, `kernels.experts_kernel`); FP8 GEMMs on CUDA's
+Hopper/Blackwell run one ``torch._scaled_grouped_mm``; every other one dequantizes its routed
+experts' packed weights per call (exact; half or a quarter of the bytes).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _routed_gemm_weight(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | No
 
 
 def _grouped_input_codes(input_quantizer, x: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The INT8 codes of an experts GEMM's (R, K) input (rows sorted by expert) and each row's fp32
+    """The INT8 (or FP8) codes of an experts GEMM's (R, K) input (rows sorted by expert) and each row's fp32
     scale, as its calibrated fake-quantizer computes them (`fake_quantize_grouped`): per expert
     with its static amax or one from its rows, or per token."""
     q, amax = input_quantizer.quantizer, input_quantizer.amax
@@ -140,6 +141,12 @@ class _ExpertsPacked(ExpertsRouting):
         if kernel == "int_mm":  # W8A8 on the CPU: the input's codes as calibrated, a kernel call per expert with rows
             codes, row_scale = _grouped_input_codes(unit.input_quantizer, x, ends)
             y = experts_int_mm(codes, row_scale, packed._data, packed._scale_inv, ends, x.dtype)
+        elif kernel == "scaled_grouped_mm":  # FP8 on CUDA: the input's codes as calibrated, all experts in one call
+            codes, row_scale = _grouped_input_codes(unit.input_quantizer, x, ends)
+            e, n, k = packed.shape
+            w = packed._data.view(e, n, k).transpose(-2, -1)
+            scale = self._buffers[f"{g.weight}_kernel_scale"]
+            y = torch._scaled_grouped_mm(codes, w, row_scale.view(-1), scale, offs=ends.to(torch.int32), out_dtype=x.dtype)
         elif kernel in EXPERTS_KERNELS:  # weight-only INT8 / INT4 on the CPU: a kernel call per expert with rows
             scale = packed._scale_inv if kernel == "int4pack_mm" else self._buffers[f"{g.weight}_kernel_scale"]
             most = _WEIGHT_ONLY_MAX_M[("cpu", kernel)]
@@ -248,6 +255,9 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> None:
             amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}").reshape(e)
             data, scale_inv = gops.grouped_quantize(w.reshape(e * n, k), q, ends, amax, None, False)
             packed = GroupedQuantizedTensor(w.shape, q, w.dtype, None, _data=data, _scale_inv=scale_inv, _amax=amax)
+            rule = experts_kernel(q, unit.input_quantizer.quantizer, tuple(w.shape), w.device, w.dtype)
+            if rule[0] == "scaled_grouped_mm":  # the CPU's integer kernels take per-row scales, not these
+                kernel, why = rule
         else:
             amax = _static_amax(wq, f"the weight quantizer of {name}.{g.weight}")
             packed = quantize_usages(w.contiguous(), None, q, rowwise=True, columnwise=False, seed=None, group_name=None, amax=amax)
@@ -256,6 +266,10 @@ def _pack_experts(name: str, module: nn.Module, fallback: str) -> None:
             packed = Int4PackedCPUTensor.from_quantized(packed, int4_kernel_block(q, w.shape[2]))
         elif kernel == "int8pack_mm":  # the kernel's (E, N) scales in the model's dtype (kernels.weight_only_mm)
             module.register_buffer(f"{g.weight}_kernel_scale", packed._scale_inv.reshape(w.shape[:2]).to(w.dtype))
+        elif kernel == "scaled_grouped_mm":  # each weight row's fp32 scale, (E, N): its expert's or its own
+            e, n = w.shape[:2]
+            module.register_buffer(f"{g.weight}_kernel_scale", packed._scale_inv.float().reshape(e, -1).expand(e, n).contiguous())
+            packed = _compilable(packed)
         elif fallback == "dequantized" and isinstance(packed, QuantizedTensor):
             packed = _dequantized_gemm_weight(packed)
             kernel, why = "dequantized", f"{why}; kept dequantized (fallback='dequantized')"
@@ -359,7 +373,7 @@ def deployed_layers(model: nn.Module) -> list[DeployedLayer]:
         elif isinstance(module, _ExpertsPacked):
             for g in module.tq_experts_layout.gemms:
                 w, unit = module._parameters[g.weight], module._modules[f"{g.weight}_gemm"]
-                extra = module._buffers.get(f"{g.weight}_kernel_scale")  # INT8: the kernel's scales
+                extra = module._buffers.get(f"{g.weight}_kernel_scale")  # INT8 weight-only, FP8 grouped: the kernel's scales
                 nbytes = _bytes(w) + (0 if extra is None else _bytes(extra))
                 rows.append(DeployedLayer(f"{name}.{g.weight}_gemm", unit.tq_kernel, unit.tq_kernel_reason, nbytes))
     return rows

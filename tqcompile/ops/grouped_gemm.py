@@ -35,10 +35,10 @@ in fp32, equals one matmul per expert bit for bit there, so the emulation (dequa
 grouped matmul) uses it. `torch._scaled_grouped_mm` has no CPU kernel in torch 2.13 (CUDA
 only: SM90+, E4M3 operands with rowwise fp32 scales, bf16 output, K and N multiples of 16); on
 CPU the FP8 tensorwise/rowwise GEMMs run one `torch._scaled_mm` per expert inside the kernel, as
-`tq.nn.linear` does, so they equal the per-expert loop bit for bit. On CUDA the same plain-torch
-kernels run (per-expert `gemm_tn`, per-expert matmuls, a host sync for the segment bounds);
-`torch._scaled_grouped_mm` is not wired in yet, as no GPU was available to test it: it would go
-in `_scaled_family_gemm`.
+`tq.nn.linear` does, so they equal the per-expert loop bit for bit. On CUDA's Hopper/Blackwell
+(`cuda_grouped_gemms`), fprop and dgrad run one `torch._scaled_grouped_mm` (E4M3 per tensor or
+per row) or one bf16 `torch._grouped_mm` (high precision, and the fake-quantized experts of
+`tq.calibrate`), no host sync; weight gradients and other GPUs run the per-expert loop.
 """
 
 from __future__ import annotations
@@ -339,18 +339,29 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return buf[..., : t.shape[-1]]
 
 
+def cuda_grouped_gemms(device: torch.device) -> bool:
+    """Whether `device` runs CUDA's grouped GEMMs, `torch._grouped_mm` (bf16) and
+    `torch._scaled_grouped_mm` (FP8 E4M3, rowwise fp32 scales): Hopper and Blackwell data-centre
+    GPUs (SM 9.0 / 10.0) in torch's build; run on an H200 (docs/gpu.md)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """`torch._grouped_mm(a, b, offs=ends)` semantics: a (T, K) @ b (E, K, N) -> (T, N) with
     token segments, or a (N, T) @ b (T, K) -> (E, N, K) with segments along T.
 
     `torch._grouped_mm` for fp32 on CPU (bit for bit one matmul per expert there; it wants
-    16-byte strides, hence `_aligned`); otherwise one matmul per expert: measured on CPU, its bf16
-    path differs from a bf16 matmul in the last bit, and its CUDA kernel takes bf16 only."""
+    16-byte strides, hence `_aligned`) and for bf16 token segments on CUDA's Hopper/Blackwell (one
+    launch, no host sync: its bf16 kernel, not a matmul per expert; the segments along T of a
+    weight gradient keep the loop, as that kernel wants them 16-byte aligned); otherwise one
+    matmul per expert: measured on CPU, its bf16 path differs from a bf16 matmul in the last bit."""
     num_experts = ends.numel()
     if a.device.type == "cpu" and num_experts and a.dtype is torch.float32:
         out_cols = b.shape[-1]
         if out_cols * a.element_size() % 16 == 0 and a.shape[-1] > 0:
             return torch._grouped_mm(_aligned(a), _aligned(b.transpose(-2, -1)).transpose(-2, -1), offs=ends.to(torch.int32))
+    if num_experts and b.dim() == 3 and a.dtype is b.dtype is torch.bfloat16 and cuda_grouped_gemms(a.device) and a.shape[-1] > 0:
+        return torch._grouped_mm(_aligned(a), _aligned(b.transpose(-2, -1)).transpose(-2, -1), offs=ends.to(torch.int32))
     bounds = [0, *ends.tolist()]
     if b.dim() == 3:
         out = a.new_zeros(a.shape[0], b.shape[-1])
@@ -380,11 +391,49 @@ def _segment(data, scale_inv, amax, q: Quantizer, e: int, lo: int, hi: int, colu
     return d, s, None if amax is None else amax[e]
 
 
-def _scaled_family_gemm(a_data, a_scale_inv, a_amax, a_q, b_data, b_scale_inv, b_amax, b_q, ends, wgrad, out_dtype):
-    # One `gemm_tn` per expert (`torch._scaled_mm` where it applies, as in `tq.nn.linear`), so the
-    # result is the per-expert loop's bit for bit. On CUDA (SM90+), `torch._scaled_grouped_mm`
-    # could serve E4M3 rowwise operands in one call: scale_a (T,), scale_b (E, N), bf16 out.
+def scaled_grouped_mm_applies(a_q: Quantizer, b_q: Quantizer, k: int, n: int, device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether CUDA's `torch._scaled_grouped_mm` computes fprop/dgrad of grouped `a_q` tokens and
+    (E, N, K) `b_q` weights: E4M3 both, each per tensor (per expert) or per row along K, bf16
+    out, K and N multiples of 16, on Hopper/Blackwell."""
+    if not (a_q.scaled_mm_operand() and b_q.scaled_mm_operand()) or out_dtype is not torch.bfloat16:
+        return False
+    if a_q.element_format().name != "E4M3" or b_q.element_format().name != "E4M3" or k % 16 or n % 16:
+        return False
+    for q in (a_q, b_q):
+        gran, axis, _ = q.layout()
+        if not (gran is Granularity.TENSORWISE or (gran is Granularity.ROWWISE and axis % 2 == 1)):
+            return False
+    return cuda_grouped_gemms(device)
+
+
+def _row_scales(scale_inv: torch.Tensor, q: Quantizer, ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each of `rows` grouped rows' fp32 scale: its expert's (per tensor) or its own (per row)."""
+    if q.layout()[0] is Granularity.TENSORWISE:
+        return scale_inv.reshape(-1).float()[expert_ids(ends, rows)]
+    return scale_inv.reshape(-1).float()
+
+
+def _scaled_grouped_mm(a_data, a_scale_inv, a_q, b_data, b_scale_inv, b_q, ends, out_dtype) -> torch.Tensor:
+    """fprop/dgrad in one `torch._scaled_grouped_mm`: a (T, K) E4M3 tokens, b (E*N, K) E4M3
+    weights, each row's scale as its expert's or its own; each product within the FP8 GEMM's
+    accumulation (tests/test_cuda.py)."""
     num_experts = ends.numel()
+    n = b_data.shape[0] // num_experts
+    w_ends = equal_ends(num_experts, n, ends.device, ends.dtype)
+    scale_a = _row_scales(a_scale_inv, a_q, ends, a_data.shape[0])
+    scale_b = _row_scales(b_scale_inv, b_q, w_ends, b_data.shape[0]).view(num_experts, n)
+    b = b_data.view(num_experts, n, -1).transpose(-2, -1)  # (E, K, N), column-major per expert
+    return torch._scaled_grouped_mm(a_data, b, scale_a, scale_b, offs=ends.to(torch.int32), out_dtype=out_dtype)
+
+
+def _scaled_family_gemm(a_data, a_scale_inv, a_amax, a_q, b_data, b_scale_inv, b_amax, b_q, ends, wgrad, out_dtype):
+    # On CUDA's Hopper/Blackwell, fprop/dgrad of E4M3 per-tensor/per-row operands: one
+    # `torch._scaled_grouped_mm`. Otherwise one `gemm_tn` per expert (`torch._scaled_mm` where it
+    # applies, as in `tq.nn.linear`), so the result is the per-expert loop's bit for bit.
+    num_experts = ends.numel()
+    k = a_data.shape[1]
+    if not wgrad and num_experts and scaled_grouped_mm_applies(a_q, b_q, k, b_data.shape[0] // num_experts, a_data.device, out_dtype):
+        return _scaled_grouped_mm(a_data, a_scale_inv, a_q, b_data, b_scale_inv, b_q, ends, out_dtype)
     bounds = [0, *ends.tolist()]
     if wgrad:
         out = a_data.new_zeros(num_experts, a_data.shape[0], b_data.shape[0], dtype=out_dtype)
