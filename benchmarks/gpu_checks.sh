@@ -2,7 +2,7 @@
 # The GPU checks, in one run on a CUDA machine (the project's lent H100/H200: docs/support.md).
 # Writes its reports under $OUT (default /tmp/tq_gpu_checks):
 #   env.txt      GPU, driver, Python/torch/Triton/transformers versions, each step's status and time
-#   kernels.md   benchmarks/bench_cuda_kernels.py: probes of the native GEMMs, deployed layers vs bf16
+#   kernels.md   benchmarks/bench_cuda_kernels.py: probes of the native GEMMs, a Mixtral MoE block and deployed layers vs bf16
 #   tests.txt    tests/test_cuda.py and the CUDA tests of tests/test_triton_kernels.py and
 #                compile_tests/test_training_compile.py
 #   demo.txt     `tqcompile demo --device cuda` (the README's main job on a GPU), demo.png/json beside
@@ -26,7 +26,7 @@ log() { echo "$1 rc=$2 at $(($(date +%s) - T0)) s" >>"$OUT/env.txt"; }
 } >"$OUT/env.txt" 2>&1
 
 # 1. Alone on the GPU (timings): probes and one layer per preset at 8B widths.
-timeout "${KERNELS_S:-150}" python benchmarks/bench_cuda_kernels.py --compiled --profile >"$OUT/kernels.md" 2>&1
+timeout "${KERNELS_S:-220}" python benchmarks/bench_cuda_kernels.py --compiled --profile --experts >"$OUT/kernels.md" 2>&1
 log kernels $?
 
 # 2. The tests and the demo side by side (compiles are CPU-bound; the GPU work is small).
