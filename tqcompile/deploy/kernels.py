@@ -29,9 +29,9 @@ Blackwell, FP8 E4M3 experts (per tensor or per row, both operands, bfloat16) run
 expert's or its own; K, N % 16); every other experts GEMM dequantizes its routed experts.
 
 ``int8_triton`` (CUDA, INT8 weight-only: ``tqcompile::int8_weight_only_mm``, a Triton kernel that
-reads the int8 weight, `tqcompile.kernels.triton.int8_mm`) is built and tested (interpreted, and
-compiled to sm_90 PTX) but not yet timed on a GPU, so the rule does not choose it: a layer runs it
-where its ``tq_kernel`` is set to it (benchmarks/bench_cuda_kernels.py does, to time it).
+reads the int8 weight, `tqcompile.kernels.triton.int8_mm`) is within its bound on an H200 but
+slower than bf16 there at every size (docs/gpu.md), so the rule does not choose it: a layer runs
+it where its ``tq_kernel`` is set to it (benchmarks/bench_cuda_kernels.py does, to time it).
 
 ``dequantize`` computes exactly what the calibrated model computes (the same quantize and
 dequantize ops): bit for bit. The integer kernels sum in another order and with other scale
