@@ -334,29 +334,44 @@ def compress(model: nn.Module, *, fallback: str = "packed") -> nn.Module:
             "KV cache to pack; run tq.calibrate (or tq.restore) first"
         )
     for what, name, module in todo:  # checks before the first change: a failure leaves the model as it was
-        if what == "attention":
-            for slot in ("key", "value"):
-                _static_amax(getattr(module, f"{slot}_quantizer"), f"the {slot} quantizer of {name!r}")
-            continue
-        if what == "linear":
-            _check_dense(f"{name}.weight", module.weight)
-            _static_amax(slots_of(module)["weight"], f"the weight quantizer of {name!r}")
-            continue
+        _check_packable(what, name, module)
+    for what, name, module in todo:
+        _pack(what, name, module, fallback)
+    return model
+
+
+def pack_module(name: str, module: nn.Module, fallback: str = "packed") -> None:
+    """`compress` of one calibrated linear layer or experts module, its float weights in place:
+    `tq.load_exported(..., compress=True)` packs each layer as it reads it."""
+    what = "experts" if is_fake_quant_experts(module) else "linear"
+    _check_packable(what, name, module)
+    _pack(what, name, module, fallback)
+
+
+def _check_packable(what: str, name: str, module: nn.Module) -> None:
+    if what == "attention":
+        for slot in ("key", "value"):
+            _static_amax(getattr(module, f"{slot}_quantizer"), f"the {slot} quantizer of {name!r}")
+    elif what == "linear":
+        _check_dense(f"{name}.weight", module.weight)
+        _static_amax(slots_of(module)["weight"], f"the weight quantizer of {name!r}")
+    else:
         for g in module.tq_experts_layout.gemms:
             unit = module._modules[f"{g.weight}_gemm"]
             _check_dense(f"{name}.{g.weight}", unit.weight)
             if unit.weight_quantizer.enabled:
                 _static_amax(unit.weight_quantizer, f"the weight quantizer of {name}.{g.weight}")
-    for what, name, module in todo:
-        if what == "attention":
-            from tqcompile.deploy.kv_cache import pack_attention  # Hugging Face's cache classes: transformers
 
-            pack_attention(module)
-        elif what == "linear":
-            _pack_linear(name, module, fallback)
-        else:
-            _pack_experts(name, module, fallback)
-    return model
+
+def _pack(what: str, name: str, module: nn.Module, fallback: str) -> None:
+    if what == "attention":
+        from tqcompile.deploy.kv_cache import pack_attention  # Hugging Face's cache classes: transformers
+
+        pack_attention(module)
+    elif what == "linear":
+        _pack_linear(name, module, fallback)
+    else:
+        _pack_experts(name, module, fallback)
 
 
 def deployed_layers(model: nn.Module) -> list[DeployedLayer]:

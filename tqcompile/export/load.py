@@ -40,7 +40,9 @@ from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format
 from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.kv_cache import KV_TENSORS, QUERY_QUANTIZER, QUERY_TENSOR
+from tqcompile.export.meta import Materializer, params_on_meta
 from tqcompile.export.names import Placement, hf_model_from_config, placements, put_placed
+from tqcompile.export.readers import trim_heap
 from tqcompile.export.safetensors_io import dtype_name
 from tqcompile.export.scales import bad_values, scaled_amax
 from tqcompile.export.units import ExportError
@@ -92,7 +94,7 @@ def _quantization_config(path: str) -> tuple[dict, dict, CheckpointFormat]:
     return config, qc, fmt
 
 
-def _build_model(path: str, config: dict, dtype: torch.dtype) -> nn.Module:
+def _build_model(path: str, config: dict, dtype: torch.dtype, empty: bool = False) -> nn.Module:
     if "model_type" not in config:
         raise ExportError(
             f"tq.load_exported: {path!r}'s config.json names no model_type (not a transformers checkpoint); "
@@ -103,7 +105,8 @@ def _build_model(path: str, config: dict, dtype: torch.dtype) -> nn.Module:
     hf_config = AutoConfig.from_pretrained(path)
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config  # else transformers would quantize the model it builds
-    return hf_model_from_config(hf_config, dtype=dtype).eval()
+    with params_on_meta(empty):
+        return hf_model_from_config(hf_config, dtype=dtype).eval()
 
 
 def _unit_by_weight_key(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
@@ -149,7 +152,9 @@ def _tensor_amax(parts: list[tuple[Placement, torch.Tensor]], experts: int | Non
     return out
 
 
-def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_exported(
+    path: str, model: nn.Module | None = None, *, dtype: torch.dtype = torch.float32, compress: bool = False, fallback: str = "packed"
+) -> nn.Module:
     """Load a compressed-tensors or ModelOpt checkpoint (written by `tq.export`, llmcompressor,
     ModelOpt, ...), or a GPT-OSS one in its own MXFP4 format (as released, or `tq.export`'s), as a
     tq calibrated model: the fake-quantized modules `tq.calibrate` makes, whose
@@ -165,6 +170,11 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
             (``AutoModelForCausalLM.from_config``, without the quantization_config), in eval mode.
         dtype: the parameter dtype of the model built when `model` is None (float32: QAT keeps
             float32 master weights); a given model keeps its own.
+        compress: return the deployment form (`tq.compress`, with its `fallback`) instead: the
+            built model's quantized layers are never held in float, each is read, packed and its
+            float weight freed in turn, so the peak is the packed model plus about one layer (the
+            weights a plain load then `tq.compress` would hold in float: the whole model). The
+            result equals ``tq.compress(tq.load_exported(path, dtype=dtype), fallback=fallback)``.
 
     Scales map back to amaxes exactly for checkpoints tq wrote (calibrated, QAT or `tq.convert`
     models): the loaded model computes the exported model's logits bit for bit and exports to the
@@ -183,11 +193,16 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     Example:
         >>> model = tq.load_exported("llama-int8")            # a calibrated tq model
         >>> model.train(); loss = model(ids, labels=ids).loss  # QAT continues from it
+        >>> served = tq.load_exported("llama-w4a16", dtype=torch.bfloat16, compress=True)  # packed INT4
     """
+    from tqcompile.deploy.modules import FALLBACKS
+
+    if fallback not in FALLBACKS:
+        raise ValueError(f"tq.load_exported: fallback={fallback!r} is not allowed; allowed: {FALLBACKS}")
     ckpt = CheckpointFiles(path)  # a missing directory, shard or index is named first
     config, qc, fmt = _quantization_config(path)
     if model is None:
-        model = _build_model(path, config, dtype)
+        model = _build_model(path, config, dtype, empty=compress)
     _check_float(model)
     resolve = fmt.scheme_resolver(qc, model)
     state = _untied_state(model)
@@ -201,18 +216,28 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     # Everything named and shaped as the model needs: now fill it, one tensor (one layer) at a time,
     # in place (memory holds the model and one layer, not a second copy of the model).
     units: list[tuple[nn.Module, _Unit]] = []
+    deferred: list[tuple[str, str, nn.Module, list]] = []  # compress: layers read again when packed
     mismatch, notes, counts = [], [], {"inexact": kv_inexact, "rceil": 0, "fp8": 0, "pow2": 0}
+    materialized = Materializer(model)
     with torch.no_grad():
         for key, value in state.items():
             ps, target = where[key], value.detach()
             if key not in units_by_key or not any(_prefix(p.name) in quantized for p in ps):
+                target = materialized(key, target) if target.is_meta else target
                 for p in ps:
                     put_placed(target, ckpt.get(p.name), p, value.dim() == 3, 1, mismatch, p.name)
                 continue
             name, unit_module = units_by_key[key]
             dst = torch.empty(_gemm_shape(value.shape, unit_module), dtype=torch.float32)
             units.append((unit_module, _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, mismatch, notes, counts)))
-            target.copy_(dst.transpose(1, 2) if _transposed(unit_module) else dst)
+            if target.is_meta and compress:  # its scales are read now; its weight again when packed
+                deferred.append((key, name, unit_module, ps))
+                del dst
+                trim_heap()
+            else:
+                target = materialized(key, target) if target.is_meta else target
+                target.copy_(dst.transpose(1, 2) if _transposed(unit_module) else dst)
+        materialized.retie()
     if mismatch:
         raise ExportError(_mismatch_message(model, [], [], mismatch))
     # One scale rule for the model, as the scales show: MX blocks that only RCEIL gives, in any
@@ -225,7 +250,36 @@ def load_exported(path: str, model: nn.Module | None = None, *, dtype: torch.dty
     for differed in share_fused_weight_amax([(u.name, model.get_submodule(u.name)) for _, u in units]):
         notes.append(f"NVFP4 layers that engines fuse into one GEMM hold different global scales ({differed}); the model gives them one amax, the max of theirs")
     _warn(notes, counts, path)
+    if compress:
+        _pack_deferred(model, materialized, deferred, ckpt, checked, fmt, fallback)
+        if len(deferred) < len(units) or kv:  # layers of a given model, loaded in place; KV caches
+            from tqcompile.deploy.modules import compress as compress_model
+
+            compress_model(model, fallback=fallback)
     return model
+
+
+def _pack_deferred(model: nn.Module, materialized: Materializer, deferred: list, ckpt, checked, fmt, fallback: str) -> None:
+    """Read each deferred layer's weight again (as the first pass did), put it in the converted
+    module and pack it (`tq.compress`'s packing), one module at a time: an experts module once
+    all its GEMMs' weights are in."""
+    from tqcompile.deploy.modules import pack_module
+
+    by_module: dict[str, list] = {}
+    for key, name, unit_module, ps in deferred:
+        owner = key.rpartition(".")[0]
+        by_module.setdefault(owner, []).append((key, name, unit_module, ps))
+    with torch.no_grad():
+        for owner, items in by_module.items():
+            for key, name, unit_module, ps in items:
+                meta = model.get_parameter(key)
+                dst = torch.empty(_gemm_shape(meta.shape, unit_module), dtype=torch.float32)
+                _load_unit(name, unit_module, ps, ckpt, checked, fmt, dst, [], [], {"inexact": 0, "rceil": 0, "fp8": 0, "pow2": 0})
+                dst = dst.transpose(1, 2) if _transposed(unit_module) else dst
+                materialized(key, meta, tie=False).copy_(dst)
+                del dst
+            pack_module(owner, model.get_submodule(owner), fallback)
+            trim_heap()  # the float weights just packed, freed: back to the system before the next layer
 
 
 def _transposed(unit_module: nn.Module) -> bool:
@@ -461,14 +515,20 @@ def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]], kv_q: Quant
     for name, amaxes in kv.items():
         m = model.get_submodule(name)
         for t, amax in zip((m.key_quantizer, m.value_quantizer, m.query_quantizer), amaxes):
-            t.set_amax(amax.to(module_device(m)))
+            t.set_amax(amax.to(_real(module_device(m))))
     for _, u in units:
         m = model.get_submodule(u.name)
-        device = module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m)
+        device = _real(module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m))
         if u.weight_amax is not None:
             m.weight_quantizer.set_amax(u.weight_amax.to(device))
         if u.scheme.input_q is not None:
             m.input_quantizer.set_amax(None if u.input_amax is None else u.input_amax.to(device))
+
+
+def _real(device: torch.device) -> torch.device:
+    """Where a module's amaxes go: its device, or the CPU for one whose weights are still on the
+    meta device (`compress=True`: read and packed later, on the CPU)."""
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def _mismatch_message(model: nn.Module, missing: list[str], unused: list[str], mismatch: list[str]) -> str:

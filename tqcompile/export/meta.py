@@ -1,0 +1,67 @@
+"""A model whose parameters are built on the meta device and given real storage one at a time.
+
+`tq.load_exported(..., compress=True)` builds the checkpoint's model this way (`params_on_meta`):
+no float weight is allocated until the loader fills it (`Materializer`), and a quantized layer's
+is packed and freed before the next one is read. Buffers (rotary frequencies, ...) are built as
+usual: the checkpoint may not hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def params_on_meta(enabled: bool = True):
+    """Within it (when `enabled`), every parameter a module registers goes to the meta device as
+    it is registered (each is allocated once, uninitialised, then dropped: a module's own
+    initialisation then runs on meta, at no cost)."""
+    if not enabled:
+        yield
+        return
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class Materializer:
+    """Gives a meta parameter of `model` (by state_dict key) real, uninitialised CPU storage of its
+    shape and dtype, in place in its module; `retie` then points every module that shared it (tied
+    embeddings) at the same new parameter."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta): (meta, real)
+
+    def __call__(self, key: str, meta: torch.Tensor, tie: bool = True) -> nn.Parameter:
+        """The new parameter; with `tie` False it is not kept for `retie` (a weight packed and
+        freed right after: holding it here would keep every float weight alive)."""
+        module_name, _, name = key.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        old = module._parameters[name]
+        if id(old) in self.done:
+            real = self.done[id(old)][1]
+        else:
+            real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype), requires_grad=old.requires_grad)
+            if tie:
+                self.done[id(old)] = (old, real)
+        module._parameters[name] = real
+        return real
+
+    def retie(self) -> None:
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_meta and id(p) in self.done:
+                    module._parameters[name] = self.done[id(p)][1]
