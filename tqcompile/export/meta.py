@@ -18,7 +18,10 @@ from torch import nn
 def params_on_meta(enabled: bool = True):
     """Within it (when `enabled`), every parameter a module registers goes to the meta device as
     it is registered (each is allocated once, uninitialised, then dropped: a module's own
-    initialisation then runs on meta, at no cost)."""
+    initialisation then runs on meta, at no cost). This is accelerate's ``init_empty_weights``
+    (``include_buffers=False``), which transformers 5 no longer ships: ``nn.Module.register_parameter``
+    patched for the block (one thread builds the model), as torch's ``torch.device("meta")``
+    would put the buffers there too. Checked on torch 2.13 and 2.14.1 with transformers 5.23."""
     if not enabled:
         yield
         return

@@ -360,7 +360,7 @@ def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> tor
         out_cols = b.shape[-1]
         if out_cols * a.element_size() % 16 == 0 and a.shape[-1] > 0:
             return torch._grouped_mm(_aligned(a), _aligned(b.transpose(-2, -1)).transpose(-2, -1), offs=ends.to(torch.int32))
-    if num_experts and b.dim() == 3 and a.dtype is b.dtype is torch.bfloat16 and cuda_grouped_gemms(a.device) and a.shape[-1] > 0:
+    if num_experts and b.dim() == 3 and a.dtype is b.dtype is torch.bfloat16 and cuda_grouped_gemms(a.device) and 0 not in a.shape:
         return torch._grouped_mm(_aligned(a), _aligned(b.transpose(-2, -1)).transpose(-2, -1), offs=ends.to(torch.int32))
     bounds = [0, *ends.tolist()]
     if b.dim() == 3:
@@ -432,7 +432,7 @@ def _scaled_family_gemm(a_data, a_scale_inv, a_amax, a_q, b_data, b_scale_inv, b
     # applies, as in `tq.nn.linear`), so the result is the per-expert loop's bit for bit.
     num_experts = ends.numel()
     k = a_data.shape[1]
-    if not wgrad and num_experts and scaled_grouped_mm_applies(a_q, b_q, k, b_data.shape[0] // num_experts, a_data.device, out_dtype):
+    if not wgrad and num_experts and a_data.shape[0] and scaled_grouped_mm_applies(a_q, b_q, k, b_data.shape[0] // num_experts, a_data.device, out_dtype):
         return _scaled_grouped_mm(a_data, a_scale_inv, a_q, b_data, b_scale_inv, b_q, ends, out_dtype)
     bounds = [0, *ends.tolist()]
     if wgrad:
