@@ -405,9 +405,9 @@ def test_hopper_fprop_and_dgrad_run_one_scaled_grouped_mm(name, monkeypatch):
     """Where CUDA's grouped FP8 GEMM runs (`cuda_grouped_gemms`, patched true here; the op replaced
     by its contract, the exact product of codes times scales rounded once to bf16), bf16 training
     of E4M3 per-tensor / per-row experts runs fprop and dgrad (E4M3 gradients) as one
-    `torch._scaled_grouped_mm` each (each row's scale its expert's or its own, weight scales (E, N)): y and dx within the bf16
-    rounding of the per-expert loop (which rounds the same exact product once: `fp8_gemm_cpu`),
-    dW the loop's bit for bit (the weight gradient keeps the loop). On the GPU: tests/test_cuda.py."""
+    `torch._scaled_grouped_mm` each (each row's scale its expert's or its own, weight scales
+    (E, N)): y and dx within one bf16 ulp of the per-expert loop (which rounds the same product
+    once, from its fp32 sum: `fp8_gemm_cpu`), dW the loop's bit for bit (the weight gradient keeps the loop). On the GPU: tests/test_cuda.py."""
     calls = []
 
     def exact(a, b, scale_a, scale_b, offs=None, out_dtype=None, **_):
@@ -427,6 +427,9 @@ def test_hopper_fprop_and_dgrad_run_one_scaled_grouped_mm(name, monkeypatch):
         got = _step(experts, x, dy, torch.tensor(m_splits))
     # fprop, and dgrad where the gradient is E4M3 (fp8_tensorwise's E5M2 gradients keep the loop)
     assert calls == ([64, 64] if name == "fp8_rowwise" else [64])
+    # Both round a product once to bf16, the contract from fp64, the loop from its fp32 sum: a sum
+    # at a rounding boundary may take the neighbouring bf16 value, one ulp (<= 2^-7 relative;
+    # measured: 1 element in 8192 on torch 2.11, none on 2.13).
     for what, g, r in zip(("y", "dx"), got, ref):
-        assert bool(((g.double() - r.double()).abs() <= 2.0**-8 * r.double().abs()).all()), what
+        assert bool(((g.double() - r.double()).abs() <= 2.0**-7 * r.double().abs()).all()), what
     assert_bitwise_equal(got[2], ref[2], "dW")
