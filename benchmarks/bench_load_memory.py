@@ -55,6 +55,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _checkpoint(hidden: int, layers: int, config, path: str) -> tuple[int, int]:
+    """Build the model, calibrate it with `config`, export it to `path`: (parameters, bytes written)."""
+    warnings.simplefilter("ignore")
+    model = _model(hidden, layers)
+    n = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, 8192, (1, 64))
+    tq.calibrate(model, config, lambda m: m(ids), progress=False)
+    return n, tq.export(model, path).bytes_written
+
+
 def deploy(sizes) -> None:
     """`--deploy`: a W4A16 (INT4 g128) checkpoint made deployable, bf16 model, two ways: a plain
     load then `tq.compress`, and `tq.load_exported(..., compress=True)` (each quantized layer read
@@ -66,13 +76,7 @@ def deploy(sizes) -> None:
     for size, hidden, layers in sizes:
         root = tempfile.mkdtemp()
         try:
-            warnings.simplefilter("ignore")
-            model = _model(hidden, layers)
-            n = sum(p.numel() for p in model.parameters())
-            ids = torch.randint(0, 8192, (1, 64))
-            tq.calibrate(model, tq.configs.int4_weight_only(), lambda m, ids=ids: m(ids), progress=False)
-            tq.export(model, f"{root}/q")
-            del model
+            n, _ = _checkpoint(hidden, layers, tq.configs.int4_weight_only(), f"{root}/q")
             two = in_fresh_process(_measure, "load+compress", f"{root}/q")
             one = in_fresh_process(_measure, "compressed load", f"{root}/q")
         finally:
@@ -94,13 +98,7 @@ def main() -> None:
     for size, hidden, layers in sizes:
         root = tempfile.mkdtemp()
         try:
-            warnings.simplefilter("ignore")
-            model = _model(hidden, layers)
-            n = sum(p.numel() for p in model.parameters())
-            ids = torch.randint(0, 8192, (1, 64))
-            tq.calibrate(model, tq.configs.int8(), lambda m, ids=ids: m(ids), progress=False)
-            written = tq.export(model, f"{root}/q").bytes_written
-            del model
+            n, written = _checkpoint(hidden, layers, tq.configs.int8(), f"{root}/q")
             build_peak, build_s, _ = in_fresh_process(_measure, "build", f"{root}/q")
             load_peak, load_s, _ = in_fresh_process(_measure, "load", f"{root}/q")
         finally:

@@ -59,6 +59,7 @@ from tqcompile.calibration.pipeline import (
 from tqcompile.calibration.record import CalibrationRecord, set_record
 from tqcompile.calibration.transforms import run_group, transform_units
 from tqcompile.export.files import CheckpointFiles
+from tqcompile.export.meta import parameters_on_meta  # noqa: F401  (re-exported: its home before meta.py)
 from tqcompile.export.readers import trim_heap
 from tqcompile.export.safetensors_io import ShardedWriter
 from tqcompile.surgery.names import canonical_modules
@@ -69,24 +70,6 @@ __all__ = ["parameters_on_meta", "calibrate_layerwise", "Overlay"]
 
 class _Stop(Exception):
     """The capture has what it needs from this batch (raised by the last decoder layer's stand-in)."""
-
-
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Build modules with their parameters on the meta device (no memory) and their buffers real,
-    so that tables a model computes at construction (rotary frequencies) are there to run with."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self, name, param):
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:

@@ -17,6 +17,7 @@ The inverse of `tq.export`, step by step:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -40,7 +41,7 @@ from tqcompile.export.checkpoint_format import FORMATS, CheckpointFormat, format
 from tqcompile.export.decode import DecodedLayer, LayerScheme, check_layer, decode_layer, full_grid, with_scale_rules
 from tqcompile.export.files import CheckpointFiles
 from tqcompile.export.kv_cache import KV_TENSORS, QUERY_QUANTIZER, QUERY_TENSOR
-from tqcompile.export.meta import Materializer, params_on_meta
+from tqcompile.export.meta import Materializer, parameters_on_meta
 from tqcompile.export.names import Placement, hf_model_from_config, placements, put_placed
 from tqcompile.export.readers import trim_heap
 from tqcompile.export.safetensors_io import dtype_name
@@ -105,7 +106,7 @@ def _build_model(path: str, config: dict, dtype: torch.dtype, empty: bool = Fals
     hf_config = AutoConfig.from_pretrained(path)
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config  # else transformers would quantize the model it builds
-    with params_on_meta(empty):
+    with parameters_on_meta() if empty else contextlib.nullcontext():
         return hf_model_from_config(hf_config, dtype=dtype).eval()
 
 

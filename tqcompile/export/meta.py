@@ -1,9 +1,9 @@
 """A model whose parameters are built on the meta device and given real storage one at a time.
 
-`tq.load_exported(..., compress=True)` builds the checkpoint's model this way (`params_on_meta`):
-no float weight is allocated until the loader fills it (`Materializer`), and a quantized layer's
-is packed and freed before the next one is read. Buffers (rotary frequencies, ...) are built as
-usual: the checkpoint may not hold them.
+`tq.load_exported(..., compress=True)` builds the checkpoint's model this way
+(`parameters_on_meta`, as `tq.quantize_checkpoint` does): no float weight is allocated until the
+loader fills it (`Materializer`), and a quantized layer's is packed and freed before the next one
+is read. Buffers (rotary frequencies, ...) are built as usual: the checkpoint may not hold them.
 """
 
 from __future__ import annotations
@@ -15,22 +15,20 @@ from torch import nn
 
 
 @contextlib.contextmanager
-def params_on_meta(enabled: bool = True):
-    """Within it (when `enabled`), every parameter a module registers goes to the meta device as
-    it is registered (each is allocated once, uninitialised, then dropped: a module's own
-    initialisation then runs on meta, at no cost). This is accelerate's ``init_empty_weights``
-    (``include_buffers=False``), which transformers 5 no longer ships: ``nn.Module.register_parameter``
-    patched for the block (one thread builds the model), as torch's ``torch.device("meta")``
-    would put the buffers there too. Checked on torch 2.13 and 2.14.1 with transformers 5.23."""
-    if not enabled:
-        yield
-        return
+def parameters_on_meta():
+    """Build modules with their parameters on the meta device (no memory) and their buffers real,
+    so that tables a model computes at construction (rotary frequencies) are there to run with.
+    Each parameter is allocated once, uninitialised, as it is registered, then dropped (a module's
+    own initialisation then runs on meta, at no cost). This is accelerate's ``init_empty_weights``
+    (``include_buffers=False``), which transformers 5 does not ship: ``nn.Module.register_parameter``
+    patched for the block (one thread builds the model), as ``torch.device("meta")`` would put the
+    buffers there too. Checked on torch 2.11, 2.13 and 2.14.1."""
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def on_meta(self, name, param):
         if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
 
     nn.Module.register_parameter = on_meta
     try:
