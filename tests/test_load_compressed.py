@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,20 @@ def test_a_given_model_is_loaded_then_compressed(tmp_path):
 def test_bad_fallback_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"fallback='dense'.*allowed: \('packed', 'dequantized'\)"):
         tq.load_exported(str(tmp_path), compress=True, fallback="dense")
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16", "FP8_DYNAMIC"])
+def test_checkpoints_llmcompressor_wrote_load_compressed(scheme):
+    """Checkpoints llmcompressor 0.14 itself wrote (tests/data/llmcompressor: a bfloat16 Llama with
+    its W8A8, W4A16 and FP8_DYNAMIC presets): read straight into the deployment form, the
+    same as a load then `tq.compress`, bit for bit (their bfloat16 scales load to the nearest tq
+    amax either way)."""
+    path = str(Path(__file__).parent / "data" / "llmcompressor" / scheme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the scales-without-an-exact-amax note (test_export_llmcompressor.py)
+        ref = tq.compress(tq.load_exported(path, dtype=torch.bfloat16))
+        got = tq.load_exported(path, dtype=torch.bfloat16, compress=True)
+    assert [(r.name, r.kernel) for r in tq.deploy.deployed_layers(got)] == [(r.name, r.kernel) for r in tq.deploy.deployed_layers(ref)]
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
