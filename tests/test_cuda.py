@@ -365,3 +365,26 @@ def test_fp8_experts_train_on_cuda_with_the_grouped_gemm(name, monkeypatch):
     assert calls == ([64, 64] if name == "fp8_rowwise" else [64])
     for what, a, b in zip(("y", "dx", "dW"), got, ref):
         assert float((a - b).norm() / b.norm()) < 2.0**-7, what
+
+
+# --- a checkpoint loaded straight into its deployment form on the GPU ----------------------------
+@pytest.mark.parametrize("preset", ["int4_weight_only", "int8_dynamic", "fp8", "moe fp8"])
+def test_compressed_load_onto_the_gpu(preset, tmp_path):
+    """`tq.load_exported(path, compress=True, device="cuda")`: the model made on the GPU layer by
+    layer (never in float as a whole), packed for CUDA's kernels: the kernels and logits of a load,
+    a move to the GPU and `tq.compress` there, bit for bit."""
+    from moe_models import tiny_hf_moe
+
+    if preset == "moe fp8":
+        m = tiny_hf_moe("mixtral", num_experts=4, hidden=128, intermediate=128).to(torch.bfloat16)
+        config = tq.configs.fp8()
+    else:
+        m, config = _llama().cpu(), getattr(tq.configs, preset)()
+    tq.calibrate(m, config, lambda mm: mm(IDS % 128), progress=False)
+    tq.export(m, str(tmp_path))
+    ref = tq.compress(tq.load_exported(str(tmp_path), dtype=torch.bfloat16).to("cuda"))
+    got = tq.load_exported(str(tmp_path), dtype=torch.bfloat16, compress=True, device="cuda")
+    assert [(r.name, r.kernel) for r in tq.deploy.deployed_layers(got)] == [(r.name, r.kernel) for r in tq.deploy.deployed_layers(ref)]
+    assert all(t.device.type == "cuda" for t in (*got.parameters(), *got.buffers()))
+    with torch.no_grad():
+        assert torch.equal(got(IDS.cuda() % 128).logits, ref(IDS.cuda() % 128).logits)

@@ -149,3 +149,20 @@ def test_checkpoints_llmcompressor_wrote_load_compressed(scheme):
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)
+
+
+def test_device_goes_with_a_compressed_load_of_a_built_model(tmp_path):
+    """`device=` names where a compressed load makes and packs the model (the CPU here, explicitly:
+    the same result); elsewhere it is refused with what to do instead. On a GPU:
+    tests/test_cuda.py::test_compressed_load_onto_the_gpu."""
+    model = _llama(False)
+    tq.calibrate(model, tq.configs.int8_dynamic(), lambda m: m(IDS), progress=False)
+    tq.export(model, str(tmp_path))
+    ref = tq.load_exported(str(tmp_path), dtype=torch.bfloat16, compress=True)
+    got = tq.load_exported(str(tmp_path), dtype=torch.bfloat16, compress=True, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(got(IDS).logits, ref(IDS).logits)
+    with pytest.raises(ValueError, match=r"device='cpu' goes with compress=True and a model it builds.*model.to\(device\)"):
+        tq.load_exported(str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match=r"device='cpu' goes with compress=True and a model it builds"):
+        tq.load_exported(str(tmp_path), _llama(False), compress=True, device="cpu")

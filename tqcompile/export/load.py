@@ -154,7 +154,13 @@ def _tensor_amax(parts: list[tuple[Placement, torch.Tensor]], experts: int | Non
 
 
 def load_exported(
-    path: str, model: nn.Module | None = None, *, dtype: torch.dtype = torch.float32, compress: bool = False, fallback: str = "packed"
+    path: str,
+    model: nn.Module | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    compress: bool = False,
+    fallback: str = "packed",
+    device: str | torch.device | None = None,
 ) -> nn.Module:
     """Load a compressed-tensors or ModelOpt checkpoint (written by `tq.export`, llmcompressor,
     ModelOpt, ...), or a GPT-OSS one in its own MXFP4 format (as released, or `tq.export`'s), as a
@@ -176,6 +182,9 @@ def load_exported(
             float weight freed in turn, so the peak is the packed model plus about one layer (the
             weights a plain load then `tq.compress` would hold in float: the whole model). The
             result equals ``tq.compress(tq.load_exported(path, dtype=dtype), fallback=fallback)``.
+        device: with `compress` and a built model, where its tensors are made and its layers
+            packed, for that device's kernels (default: the CPU); the float model never exists
+            anywhere. Without `compress`, load, then ``model.to(device)``.
 
     Scales map back to amaxes exactly for checkpoints tq wrote (calibrated, QAT or `tq.convert`
     models): the loaded model computes the exported model's logits bit for bit and exports to the
@@ -200,6 +209,12 @@ def load_exported(
 
     if fallback not in FALLBACKS:
         raise ValueError(f"tq.load_exported: fallback={fallback!r} is not allowed; allowed: {FALLBACKS}")
+    if device is not None and (not compress or model is not None):
+        raise ValueError(
+            f"tq.load_exported: device={device!r} goes with compress=True and a model it builds (model=None); "
+            "otherwise load, then move the model: model.to(device)"
+        )
+    device = torch.device("cpu" if device is None else device)
     ckpt = CheckpointFiles(path)  # a missing directory, shard or index is named first
     config, qc, fmt = _quantization_config(path)
     if model is None:
@@ -219,7 +234,7 @@ def load_exported(
     units: list[tuple[nn.Module, _Unit]] = []
     deferred: list[tuple[str, str, nn.Module, list]] = []  # compress: layers read again when packed
     mismatch, notes, counts = [], [], {"inexact": kv_inexact, "rceil": 0, "fp8": 0, "pow2": 0}
-    materialized = Materializer(model)
+    materialized = Materializer(model, device)
     with torch.no_grad():
         for key, value in state.items():
             ps, target = where[key], value.detach()
@@ -246,7 +261,7 @@ def load_exported(
     rceil, pow2 = counts["rceil"] > 0, counts["fp8"] > 0 and counts["pow2"] == counts["fp8"]
     for _, u in units:
         u.scheme = with_scale_rules(u.scheme, rceil=rceil, pow2=pow2)
-    _convert(model, units, kv_q, kv)
+    _convert(model, units, kv_q, kv, device)
     # As tq.calibrate gives them (tq's own checkpoints already hold one global scale per group).
     for differed in share_fused_weight_amax([(u.name, model.get_submodule(u.name)) for _, u in units]):
         notes.append(f"NVFP4 layers that engines fuse into one GEMM hold different global scales ({differed}); the model gives them one amax, the max of theirs")
@@ -257,6 +272,8 @@ def load_exported(
             from tqcompile.deploy.modules import compress as compress_model
 
             compress_model(model, fallback=fallback)
+        if deferred:
+            materialized.move_buffers()  # rotary tables and the like, built on the CPU
     return model
 
 
@@ -504,7 +521,9 @@ def _kv_cache(model: nn.Module, ckpt: CheckpointFiles, q: Quantizer | None) -> t
     return out, inexact
 
 
-def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]], kv_q: Quantizer | None = None, kv: dict | None = None) -> None:
+def _convert(
+    model: nn.Module, units: list[tuple[nn.Module, _Unit]], kv_q: Quantizer | None = None, kv: dict | None = None, device: torch.device | None = None
+) -> None:
     """Convert as `tq.calibrate` does (every quantizable module; the loaded layers with their
     checkpoint's quantizers, the attentions with the KV cache's), then set the amaxes. A dynamic
     per-tensor input (what `tq.export` writes for a training recipe's activations) keeps no amax:
@@ -516,20 +535,20 @@ def _convert(model: nn.Module, units: list[tuple[nn.Module, _Unit]], kv_q: Quant
     for name, amaxes in kv.items():
         m = model.get_submodule(name)
         for t, amax in zip((m.key_quantizer, m.value_quantizer, m.query_quantizer), amaxes):
-            t.set_amax(amax.to(_real(module_device(m))))
+            t.set_amax(amax.to(_real(module_device(m), device)))
     for _, u in units:
         m = model.get_submodule(u.name)
-        device = _real(module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m))
+        where = _real(module_device(m.owner if isinstance(m, ExpertGemmQuantizers) else m), device)
         if u.weight_amax is not None:
-            m.weight_quantizer.set_amax(u.weight_amax.to(device))
+            m.weight_quantizer.set_amax(u.weight_amax.to(where))
         if u.scheme.input_q is not None:
-            m.input_quantizer.set_amax(None if u.input_amax is None else u.input_amax.to(device))
+            m.input_quantizer.set_amax(None if u.input_amax is None else u.input_amax.to(where))
 
 
-def _real(device: torch.device) -> torch.device:
-    """Where a module's amaxes go: its device, or the CPU for one whose weights are still on the
-    meta device (`compress=True`: read and packed later, on the CPU)."""
-    return torch.device("cpu") if device.type == "meta" else device
+def _real(device: torch.device, packed_on: torch.device | None) -> torch.device:
+    """Where a module's amaxes go: its device, or, for one whose weights are still on the meta
+    device (`compress=True`: read and packed later), the device it is packed on."""
+    return (packed_on or torch.device("cpu")) if device.type == "meta" else device
 
 
 def _mismatch_message(model: nn.Module, missing: list[str], unused: list[str], mismatch: list[str]) -> str:

@@ -38,12 +38,12 @@ def parameters_on_meta():
 
 
 class Materializer:
-    """Gives a meta parameter of `model` (by state_dict key) real, uninitialised CPU storage of its
-    shape and dtype, in place in its module; `retie` then points every module that shared it (tied
-    embeddings) at the same new parameter."""
+    """Gives a meta parameter of `model` (by state_dict key) real, uninitialised storage of its
+    shape and dtype on `device`, in place in its module; `retie` then points every module that
+    shared it (tied embeddings) at the same new parameter."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, device: torch.device | None = None):
+        self.model, self.device = model, device or torch.device("cpu")
         self.done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta): (meta, real)
 
     def __call__(self, key: str, meta: torch.Tensor, tie: bool = True) -> nn.Parameter:
@@ -55,7 +55,7 @@ class Materializer:
         if id(old) in self.done:
             real = self.done[id(old)][1]
         else:
-            real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype), requires_grad=old.requires_grad)
+            real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self.device), requires_grad=old.requires_grad)
             if tie:
                 self.done[id(old)] = (old, real)
         module._parameters[name] = real
@@ -66,3 +66,10 @@ class Materializer:
             for name, p in list(module._parameters.items()):
                 if p is not None and p.is_meta and id(p) in self.done:
                     module._parameters[name] = self.done[id(p)][1]
+
+    def move_buffers(self) -> None:
+        """Every buffer on `device` (those the build made on the CPU: rotary tables, ...)."""
+        for module in self.model.modules():
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.device != self.device:
+                    module._buffers[name] = b.to(self.device)

@@ -129,4 +129,4 @@ def put_placed(dst: torch.Tensor, src: torch.Tensor, p: Placement, experts: bool
     elif rows is None:
         d.copy_(src)
     else:
-        d[rows] = src.to(d.dtype)
+        d[rows.to(d.device)] = src.to(d.device, d.dtype)  # (a model made on a GPU: `load_exported(..., device=)`)
