@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from tqcompile import ops
 from tqcompile.formats import Format
+from tqcompile.ops.grouped_gemm import scaled_grouped_mm_applies
 from tqcompile.quantizers import Granularity, Quantizer
 
 __all__ = ["KERNELS", "linear_kernel", "experts_kernel", "packed_linear", "weight_only_mm", "INT4_BLOCKS", "int4_kernel_block"]
@@ -168,8 +169,6 @@ def experts_kernel(
     FP8 E4M3 experts on CUDA's Hopper/Blackwell ``scaled_grouped_mm`` (one
     ``torch._scaled_grouped_mm`` over every expert); otherwise ``dequantize`` (the routed
     experts' packed weights dequantized per call)."""
-    from tqcompile.ops.grouped_gemm import scaled_grouped_mm_applies
-
     kernel, why = linear_kernel(weight_q, input_q, shape[1:], device, dtype)
     if torch.device(device).type == "cpu" and kernel in ("int8pack_mm", "int4pack_mm", "int_mm"):
         return kernel, f"{why}: one kernel call per expert with rows"

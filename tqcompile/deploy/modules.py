@@ -143,10 +143,7 @@ class _ExpertsPacked(ExpertsRouting):
             y = experts_int_mm(codes, row_scale, packed._data, packed._scale_inv, ends, x.dtype)
         elif kernel == "scaled_grouped_mm":  # FP8 on CUDA: the input's codes as calibrated, all experts in one call
             codes, row_scale = _grouped_input_codes(unit.input_quantizer, x, ends)
-            e, n, k = packed.shape
-            w = packed._data.view(e, n, k).transpose(-2, -1)
-            scale = self._buffers[f"{g.weight}_kernel_scale"]
-            y = torch._scaled_grouped_mm(codes, w, row_scale.view(-1), scale, offs=ends.to(torch.int32), out_dtype=x.dtype)
+            y = gops.scaled_grouped_mm(codes, row_scale.view(-1), packed._data, self._buffers[f"{g.weight}_kernel_scale"], ends, x.dtype)
         elif kernel in EXPERTS_KERNELS:  # weight-only INT8 / INT4 on the CPU: a kernel call per expert with rows
             scale = packed._scale_inv if kernel == "int4pack_mm" else self._buffers[f"{g.weight}_kernel_scale"]
             most = _WEIGHT_ONLY_MAX_M[("cpu", kernel)]

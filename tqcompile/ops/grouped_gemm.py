@@ -413,17 +413,23 @@ def _row_scales(scale_inv: torch.Tensor, q: Quantizer, ends: torch.Tensor, rows:
     return scale_inv.reshape(-1).float()
 
 
+def scaled_grouped_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, ends: torch.Tensor, out_dtype) -> torch.Tensor:
+    """``a_e @ b_e.T`` per expert in one `torch._scaled_grouped_mm`: `a` (T, K) E4M3 tokens sorted
+    by expert, a fp32 scale a row (T,); `b` E4M3 weights, (E, N, K) or (E*N, K), a fp32 scale a
+    row (E, N). Within the FP8 GEMM's accumulation bound (tests/test_cuda.py)."""
+    num_experts, n = scale_b.shape
+    w = b.view(num_experts, n, -1).transpose(-2, -1)  # (E, K, N), column-major per expert
+    return torch._scaled_grouped_mm(a, w, scale_a, scale_b, offs=ends.to(torch.int32), out_dtype=out_dtype)
+
+
 def _scaled_grouped_mm(a_data, a_scale_inv, a_q, b_data, b_scale_inv, b_q, ends, out_dtype) -> torch.Tensor:
-    """fprop/dgrad in one `torch._scaled_grouped_mm`: a (T, K) E4M3 tokens, b (E*N, K) E4M3
-    weights, each row's scale as its expert's or its own; each product within the FP8 GEMM's
-    accumulation (tests/test_cuda.py)."""
+    """fprop/dgrad: grouped tokens and stacked weights, each row's scale its expert's or its own."""
     num_experts = ends.numel()
     n = b_data.shape[0] // num_experts
     w_ends = equal_ends(num_experts, n, ends.device, ends.dtype)
     scale_a = _row_scales(a_scale_inv, a_q, ends, a_data.shape[0])
     scale_b = _row_scales(b_scale_inv, b_q, w_ends, b_data.shape[0]).view(num_experts, n)
-    b = b_data.view(num_experts, n, -1).transpose(-2, -1)  # (E, K, N), column-major per expert
-    return torch._scaled_grouped_mm(a_data, b, scale_a, scale_b, offs=ends.to(torch.int32), out_dtype=out_dtype)
+    return scaled_grouped_mm(a_data, scale_a, b_data, scale_b, ends, out_dtype)
 
 
 def _scaled_family_gemm(a_data, a_scale_inv, a_amax, a_q, b_data, b_scale_inv, b_amax, b_q, ends, wgrad, out_dtype):
