@@ -391,3 +391,36 @@ def test_grouped_mm_equals_per_expert_matmuls_forward_and_backward():
     assert torch.equal(y, ref) and torch.equal(w.grad, dw)
     torch.testing.assert_close(x.grad, dx, rtol=1e-6, atol=1e-5)
     assert torch.equal(w.grad[1], torch.zeros(48, 64))  # the expert without tokens
+
+
+def test_qat_through_the_hopper_bf16_grouped_gemm(monkeypatch):
+    """Where CUDA's bf16 grouped GEMM runs (`cuda_grouped_gemms`, patched true here; the CPU's
+    `torch._grouped_mm` kernel stands in), a fake-quantized MoE's forward and its dgrad run one
+    `torch._grouped_mm` per GEMM (the weight gradient keeps the loop): bf16 QAT logits and every
+    expert weight's gradient within one bf16 ulp (relative L2 2^-7) of the per-expert loop's.
+    (On the H200 the forward ran in tests/test_cuda.py's MoE tests.)"""
+    from torch import nn
+
+    from tqcompile.ops import grouped_gemm as gops
+
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    keep = tq.calibration.QuantRule.disable(module_types=(nn.Linear,), must_match=False)  # the experts alone
+    m = tiny_hf_moe("mixtral", num_experts=4, hidden=128, intermediate=128).to(torch.bfloat16)
+    tq.calibrate(m, tq.configs.int8_weight_only().with_rules(keep), lambda mm: mm(ids), progress=False)
+    m.train()
+
+    def step():
+        m.zero_grad()
+        out = m(ids).logits.float()
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.float().clone() for n, p in m.named_parameters() if "experts" in n and p.grad is not None}
+
+    ref = step()
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(gops, "cuda_grouped_gemms", lambda device: True)
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    got = step()
+    assert len(calls) == 2 * 2 * 2  # 2 layers x (gate_up, down) x (forward, dgrad)
+    assert ref[1].keys() == got[1].keys() and len(ref[1]) == 4
+    for what, a, b in [("logits", got[0], ref[0]), *((k, got[1][k], ref[1][k]) for k in ref[1])]:
+        assert float((a - b).norm() / b.norm()) <= 2.0**-7, what
