@@ -367,6 +367,40 @@ def test_fp8_experts_train_on_cuda_with_the_grouped_gemm(name, monkeypatch):
         assert float((a - b).norm() / b.norm()) < 2.0**-7, what
 
 
+def test_qat_experts_backward_through_the_bf16_grouped_gemm_on_cuda(monkeypatch):
+    """QAT of fake-quantized MoE experts on CUDA (Hopper/Blackwell: `cuda_grouped_gemms`): the
+    forward and the dgrad of each expert GEMM one real `torch._grouped_mm` (2 layers x 2 GEMMs x 2
+    = 8 calls), logits and every expert weight's gradient against the CPU's per-expert loop of the
+    same calibrated model within one bf16 ulp (relative L2 2^-7)."""
+    from moe_models import tiny_hf_moe
+
+    from tqcompile.ops import grouped_gemm as gops
+
+    if not gops.cuda_grouped_gemms(torch.device("cuda")):
+        pytest.skip("torch._grouped_mm needs sm_90 or sm_100")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    keep = tq.calibration.QuantRule.disable(module_types=(nn.Linear,), must_match=False)  # the experts alone
+    m = tiny_hf_moe("mixtral", num_experts=4, hidden=128, intermediate=128).to(torch.bfloat16)
+    tq.calibrate(m, tq.configs.int8_weight_only().with_rules(keep), lambda mm: mm(ids), progress=False)
+    m.train()
+
+    def step(device):
+        m.zero_grad()
+        out = m(ids.to(device)).logits.float()
+        out.square().mean().backward()
+        return out.detach().cpu(), {n: p.grad.float().cpu() for n, p in m.named_parameters() if "experts" in n and p.grad is not None}
+
+    ref = step("cpu")
+    m.to("cuda")
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    got = step("cuda")
+    assert len(calls) == 8, calls
+    assert ref[1].keys() == got[1].keys() and len(ref[1]) == 4
+    for what, a, b in [("logits", got[0], ref[0]), *((k, got[1][k], ref[1][k]) for k in ref[1])]:
+        assert float((a - b).norm() / b.norm()) <= 2.0**-7, what
+
+
 # --- a checkpoint loaded straight into its deployment form on the GPU ----------------------------
 @pytest.mark.parametrize("preset", ["int4_weight_only", "int8_dynamic", "fp8", "moe fp8"])
 def test_compressed_load_onto_the_gpu(preset, tmp_path):
