@@ -213,11 +213,14 @@ def tq_config(scheme: str, group: int):
     return tq.configs.int8_dynamic()
 
 
-def tq_run(model_dir: str, data_path: str, config, algorithm, threads: int, extra, queue, calibrate_kwargs: dict | None = None) -> None:
+def tq_run(model_dir: str, data_path: str, config, algorithm, threads: int, extra, queue, calibrate_kwargs: dict | None = None,
+           finetune=None) -> None:
     """In a fresh process: calibrate the float model with tq's `config` and score it; a result dict
     on `queue` (never nothing: the parent waits on it). `extra(model)`, where not None: more entries
     for it (a module-level function: it crosses to the spawned process). `calibrate_kwargs`: more
-    arguments of `tq.calibrate` (bench_kv_cache.py's ``kv_scale_search``; bind them with functools.partial)."""
+    arguments of `tq.calibrate` (bench_kv_cache.py's ``kv_scale_search``; bind them with functools.partial).
+    `finetune(model, reference)`, where not None: trains the calibrated model before it is scored
+    (bench_kv_cache.py's QAT rows) and returns more entries for the result."""
     try:
         from transformers import AutoModelForCausalLM
 
@@ -249,6 +252,8 @@ def tq_run(model_dir: str, data_path: str, config, algorithm, threads: int, extr
         rss = peak_rss_mib()
         more = {} if extra is None else extra(model)
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        if finetune is not None:
+            more.update(finetune(model, reference))
         queue.put({**scores(model, data["eval"], reference), "seconds": seconds, "peak_rss_mib": rss, "rss_before_mib": rss_before, **more})
     except Exception as e:  # noqa: BLE001 - a benchmark reports the failed row and goes on
         queue.put({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
